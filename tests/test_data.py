@@ -1,0 +1,149 @@
+"""Rows to ids and masks, and masks to batches."""
+
+import itertools
+import re
+
+import numpy as np
+import pytest
+
+from mlxft.data import encode_chat, epoch_batches, load_dataset, make_batch, resolve_files
+from mlxft.errors import UserError
+
+from conftest import write_jsonl
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+# A ChatML template without Qwen3's reasoning block: every prefix renders as a prefix.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def runs(tokenizer, ids, mask):
+    return [(flag, tokenizer.decode([i for i, _ in group])) for flag, group in itertools.groupby(zip(ids, mask), key=lambda t: t[1])]
+
+
+def test_chat_mask_covers_exactly_assistant_turns_qwen3_template(tokenizer):
+    """Qwen3's real template rewrites earlier turns, so spans are found by content."""
+    ids, mask = encode_chat(tokenizer, CHAT, True, "test")
+    assert runs(tokenizer, ids, mask) == [
+        (False, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"),
+        (True, "Hello!<|im_end|>\n"),
+        (False, "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        (True, "4<|im_end|>\n"),
+    ]
+    full = tokenizer.apply_chat_template(CHAT, tokenize=False)
+    assert tokenizer.decode(ids) == full
+
+
+def test_chat_mask_incremental_template(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer._tokenizer, "chat_template", CHATML)
+    ids, mask = encode_chat(tokenizer, CHAT, True, "test")
+    assert runs(tokenizer, ids, mask) == [
+        (False, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"),
+        (True, "Hello!<|im_end|>\n"),
+        (False, "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"),
+        (True, "4<|im_end|>\n"),
+    ]
+    ids_all, mask_all = encode_chat(tokenizer, CHAT, False, "test")
+    assert ids_all == ids and all(mask_all)
+
+
+def test_shapes_and_masks(tmp_path, tokenizer):
+    text = load_dataset(write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world"}]), tokenizer, 64)
+    e = text.examples[0]
+    assert e.mask.all() and e.ids[-1] == tokenizer.eos_token_id and text.kind == "text"
+
+    raw = load_dataset(write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Q: hi\nA:", "completion": " yes"}]), tokenizer, 64,
+                       prompt_format="raw")
+    e = raw.examples[0]
+    assert tokenizer.decode(e.ids[e.mask].tolist()) == " yes<|im_end|>"
+    assert tokenizer.decode(e.ids[~e.mask].tolist()) == "Q: hi\nA:"
+
+    chat = load_dataset(write_jsonl(tmp_path / "pc2.jsonl", [{"prompt": "hi", "completion": "yes"}]), tokenizer, 64)
+    e = chat.examples[0]
+    # Incremental rendering: what the template adds after the generation prompt counts.
+    assert tokenizer.decode(e.ids[e.mask].tolist()) == "<think>\n\n</think>\n\nyes<|im_end|>\n"
+
+
+def test_truncation_and_skipping_are_counted(tmp_path, tokenizer, capsys):
+    rows = [
+        {"prompt": "a " * 50, "completion": "b"},  # the completion falls beyond the cut: skipped
+        {"prompt": "hi", "completion": "long answer " * 20},  # truncated, still supervised
+        {"prompt": "hi", "completion": "ok"},
+    ]
+    ds = load_dataset(write_jsonl(tmp_path / "x.jsonl", rows), tokenizer, 24)
+    assert (len(ds), ds.skipped, ds.truncated) == (2, 1, 2)
+    assert max(len(e.ids) for e in ds.examples) == 24
+    err = capsys.readouterr().err
+    assert "2 of 3 rows were longer than max_seq_length=24" in err and "skipped 1 rows" in err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"text": "ok"}\n{"text": "broken"\n', "line 2: invalid JSON"),
+        ('{"text": "ok"}\n[1, 2]\n', "line 2: expected a JSON object"),
+        ('{"text": 5}\n', "line 1: field 'text' must be a string"),
+        ('{"prompt": "p"}\n', "line 1: missing field 'completion'"),
+        ('{"foo": 1}\n', "line 1: row has none of the fields"),
+        ('{"messages": [{"role": "user"}]}\n', "line 1: messages[0] must be an object"),
+        ("\n\n", "holds no rows"),
+        ('{"text": "a"}\n{"prompt": "p", "completion": "c"}\n', "rows mix shapes"),
+    ],
+)
+def test_bad_rows_name_file_and_line(tmp_path, tokenizer, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(UserError, match=re.escape(message)) as err:
+        load_dataset(path, tokenizer, 64)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_nothing_supervised_is_an_error(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "n.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(UserError, match="no row has a supervised token"):
+        load_dataset(path, tokenizer, 64)
+
+
+def test_resolve_files(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [{"text": "a"}])
+    assert resolve_files(str(tmp_path), "", "") == (tmp_path / "train.jsonl", None)
+    write_jsonl(tmp_path / "valid.jsonl", [{"text": "a"}])
+    assert resolve_files(str(tmp_path), "", "") == (tmp_path / "train.jsonl", tmp_path / "valid.jsonl")
+    with pytest.raises(UserError, match="does not exist"):
+        resolve_files(str(tmp_path / "missing"), "", "")
+
+
+def test_epoch_order_is_seeded_and_complete():
+    lengths = np.random.default_rng(0).integers(5, 300, size=103)
+    a = epoch_batches(lengths, 8, seed=1, epoch=0)
+    assert [b.tolist() for b in a] == [b.tolist() for b in epoch_batches(lengths, 8, seed=1, epoch=0)]
+    assert [b.tolist() for b in a] != [b.tolist() for b in epoch_batches(lengths, 8, seed=1, epoch=1)]
+    assert [b.tolist() for b in a] != [b.tolist() for b in epoch_batches(lengths, 8, seed=2, epoch=0)]
+    assert sorted(np.concatenate(a).tolist()) == list(range(103))
+    # Grouping by length keeps padding low: far below a random grouping's.
+    waste = sum(lengths[b].max() * len(b) - lengths[b].sum() for b in a)
+    assert waste < 0.25 * lengths.sum()
+
+
+def test_batches_have_bucketed_shapes():
+    from mlxft.data import Example
+
+    rows = [Example(np.arange(n, dtype=np.int32), np.r_[np.zeros(n // 2, bool), np.ones(n - n // 2, bool)]) for n in (5, 17, 9)]
+    b = make_batch(rows, 4, 16)
+    assert b.inputs.shape == (4, 16)  # the longest row has 16 inputs; a 4th, empty row pads the batch
+    assert len(b.positions) % 16 == 0 and b.supervised == sum(int(r.mask[1:].sum()) for r in rows)
+    real = b.weights > 0
+    # Position (row, t) predicts token t + 1 of its row, and is supervised exactly when the mask says so.
+    rows_of, t_of = np.divmod(b.positions[real], 16)
+    assert [rows[r].ids[t + 1] for r, t in zip(rows_of, t_of)] == b.targets[real].tolist()
+    assert all(rows[r].mask[t + 1] for r, t in zip(rows_of, t_of))
+    assert b.real_tokens == 4 + 16 + 8

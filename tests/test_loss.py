@@ -1,0 +1,102 @@
+"""The loss: exact against float64, blind to masked tokens, equal on both head paths."""
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxft import lora, models
+from mlxft.config import AdapterConfig
+from mlxft.data import Example, make_batch
+from mlxft.loss import cross_entropy, loss_fn
+
+
+def brute_force(logits, targets, weights, smoothing):
+    logits = np.asarray(logits, dtype=np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    nll = -logp[np.arange(len(targets)), targets]
+    smooth = -logp.mean(-1)
+    per_token = (1 - smoothing) * nll + smoothing * smooth
+    return (per_token * weights).sum() / weights.sum(), weights.sum()
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_matches_float64(smoothing):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(37, 501)).astype(np.float32) * 4
+    targets = rng.integers(0, 501, size=37)
+    weights = (rng.random(37) > 0.3).astype(np.float32)
+    loss, n = cross_entropy(mx.array(logits), mx.array(targets), mx.array(weights), smoothing)
+    expected, expected_n = brute_force(logits, targets, weights, smoothing)
+    assert n.item() == expected_n
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def _load_lora(model_dir):
+    model, tokenizer, _, _ = models.load(str(model_dir), "float32")
+    lora.apply(model, AdapterConfig(rank=4), seed=0)
+    # Non-zero B so the adapters affect the output and receive full gradients.
+    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters()))
+    return model
+
+
+def _rows(seed=0):
+    """Rows with a prompt, a supervised middle and an unsupervised tail."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in (9, 14, 5):
+        ids = rng.integers(0, 1000, size=n).astype(np.int32)
+        mask = np.zeros(n, bool)
+        mask[n // 3 : n - 1] = True
+        rows.append(Example(ids, mask))
+    return rows
+
+
+def test_masked_tokens_do_not_move_loss_or_gradients(model_dir):
+    """Rewriting every token after the last supervised target (unsupervised targets) and
+    every padding token leaves the loss and all gradients unchanged."""
+    model = _load_lora(model_dir)
+    grad_fn = nn.value_and_grad(model, lambda m, *b: loss_fn(m, *b)[0])
+    rows = _rows()
+    base = make_batch(rows, 4, 8)
+    loss, grads = grad_fn(model, *base.arrays())
+
+    changed = []
+    for e in rows:
+        ids = e.ids.copy()
+        last = np.nonzero(e.mask)[0].max()
+        ids[last + 1 :] = 777
+        changed.append(Example(ids, e.mask))
+    other = make_batch(changed, 4, 8)
+    for row, e in enumerate(rows):
+        other.inputs[row, len(e.ids) - 1 :] = 123
+    assert not np.array_equal(other.inputs, base.inputs)
+    loss2, grads2 = grad_fn(model, *other.arrays())
+    assert loss2.item() == pytest.approx(loss.item(), rel=1e-6)
+    for (k, g), (_, g2) in zip(tree_flatten(grads), tree_flatten(grads2)):
+        np.testing.assert_allclose(np.array(g2), np.array(g), rtol=1e-5, atol=1e-7, err_msg=k)
+    assert base.supervised == sum(int(e.mask[1:].sum()) for e in rows)
+
+
+def test_weighted_positions_ignore_their_targets():
+    logits = mx.random.normal((6, 50))
+    weights = mx.array([1, 1, 0, 1, 0, 0], dtype=mx.float32)
+    a = cross_entropy(logits, mx.array([1, 2, 3, 4, 5, 6]), weights)[0]
+    b = cross_entropy(logits, mx.array([1, 2, 40, 4, 41, 42]), weights)[0]
+    assert a.item() == b.item()
+
+
+def test_projected_head_equals_full_logits(model_dir, monkeypatch):
+    """Projecting only supervised positions gives the loss and gradients of full logits."""
+    model = _load_lora(model_dir)
+    batch = make_batch(_rows(1), 4, 8).arrays()
+    grad_fn = nn.value_and_grad(model, lambda m, *b: loss_fn(m, *b)[0])
+    loss, grads = grad_fn(model, *batch)
+    monkeypatch.setattr("mlxft.loss.output_head", lambda m: None)
+    loss_full, grads_full = grad_fn(model, *batch)
+    assert loss.item() == pytest.approx(loss_full.item(), rel=1e-5)
+    for (k, g), (_, g2) in zip(tree_flatten(grads), tree_flatten(grads_full)):
+        np.testing.assert_allclose(np.array(g), np.array(g2), rtol=1e-4, atol=1e-6, err_msg=k)
