@@ -1,0 +1,167 @@
+"""End to end: the CLI and the Python API train, write a complete run directory, and mlx-lm
+loads what they wrote."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+import mlx.core as mx
+
+from mlxft import RunConfig, Trainer, fine_tune
+from mlxft.checkpoint import load_adapter_weights
+
+from conftest import CHAT_ROWS, write_jsonl
+
+RUN_FILES = {"adapters.safetensors", "adapter_config.json", "config.yaml", "training_state.json", "metrics.jsonl"}
+
+
+def run_cli(*args, cwd=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "mlxft.train", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env=env)
+
+
+def config(model_dir, data_dir, out, **train):
+    return RunConfig.from_dict({
+        "model": {"model": str(model_dir)},
+        "data": {"data": str(data_dir)},
+        "optim": {"learning_rate": 1e-2, "warmup_steps": 2},
+        "train": {"output_dir": str(out), "batch_size": 4, "log_every": 1, **train},
+    })
+
+
+def test_cli_run_writes_every_file(llama_dir, chat_data, tmp_path):
+    out = tmp_path / "run"
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text(yaml.safe_dump({"adapter": {"rank": 4, "alpha": 8.0}, "train": {"batch_size": 2, "max_steps": 50}}))
+    proc = run_cli("--config", yaml_path, "--model", llama_dir, "--data", chat_data, "--output-dir", out,
+                   "--max-steps", 4, "--grad-accum-steps", 2, "--eval-every", 2, "--save-every", 2, "--log-every", 1)
+    assert proc.returncode == 0, proc.stderr
+    assert RUN_FILES <= {p.name for p in out.iterdir()}
+
+    weights, meta = load_adapter_weights(out / "adapters.safetensors")
+    assert meta["format"].startswith("mlxft-adapter") and meta["rank"] == "4" and float(meta["alpha"]) == 8.0
+    assert float(meta["scale"]) == 2.0 and "self_attn.q_proj" in json.loads(meta["target_modules"])
+    assert all(k.endswith(("lora_a", "lora_b")) for k in weights)
+
+    adapter_config = json.loads((out / "adapter_config.json").read_text())
+    assert adapter_config["fine_tune_type"] == "lora" and adapter_config["lora_parameters"]["rank"] == 4
+
+    state = json.loads((out / "training_state.json").read_text())
+    assert state["step"] == 4 and state["total_steps"] == 4  # the flag beat the file's max_steps
+    assert state["batch_size"] == 2 and state["grad_accum_steps"] == 2 and state["task"] == "chat"
+    for key in ("epoch", "best_val_loss", "learning_rate", "max_seq_length", "train_modules", "model", "dataset", "seed"):
+        assert key in state
+
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["adapter"]["rank"] == 4 and resolved["train"]["max_steps"] == 4
+    assert RunConfig.from_dict(resolved).to_dict() == resolved
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if r["type"] == "eval"] == [2, 4]
+    assert all(r["tokens_per_sec"] > 0 and "peak_memory_gb" in r for r in records if r["type"] == "train")
+    assert "trainable parameters" in proc.stdout and "saved" in proc.stdout
+
+
+def test_mlx_lm_loads_the_adapters_with_the_same_logits(model_dir, chat_data, tmp_path):
+    from mlx_lm import load
+
+    trainer = Trainer(config(model_dir, chat_data, tmp_path / "run", max_steps=3))
+    trainer.train()
+    inputs = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
+    trainer.model.eval()
+    ours = trainer.model(inputs)
+    theirs_model, _ = load(str(model_dir), adapter_path=str(tmp_path / "run"))
+    theirs = theirs_model(inputs)
+    base_model, _ = load(str(model_dir))
+    assert not np.allclose(np.array(ours), np.array(base_model(inputs)), atol=1e-4)  # training changed the model
+    np.testing.assert_allclose(np.array(theirs), np.array(ours), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("finetune, lr, ratio", [("full", 3e-3, 0.05), ("lora", 1e-2, 0.85)])
+def test_loss_falls_on_a_learnable_task(llama_dir, tmp_path, finetune, lr, ratio):
+    """Answer every question with the same phrase: the validation loss falls far below chance.
+
+    LoRA on a 2-layer random model with a frozen random head learns slower than full
+    fine-tuning, hence the looser bound.
+    """
+    rows = [{"prompt": f"Question {i}: what is the code?", "completion": "The code is blue seven."} for i in range(24)]
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", rows[:20])
+    write_jsonl(data / "valid.jsonl", rows[20:])
+    cfg = config(llama_dir, data, tmp_path / "run", epochs=6, log_every=100)
+    cfg.adapter.finetune, cfg.optim.learning_rate = finetune, lr
+    trainer = Trainer(cfg)
+    before, _ = trainer.evaluate()
+    result = trainer.train()
+    assert result.val_loss < ratio * before, (before, result.val_loss)
+
+
+def test_python_api_full_finetune(llama_dir, chat_data, tmp_path):
+    cfg = config(llama_dir, chat_data, tmp_path / "run", max_steps=2)
+    cfg.adapter.finetune = "full"
+    cfg.optim.learning_rate = 1e-3
+    result = fine_tune(cfg)
+    weights, meta = load_adapter_weights(result.run_dir / "adapters.safetensors")
+    assert meta["fine_tune_type"] == "full" and "model.embed_tokens.weight" in weights
+    from mlx_lm import load
+
+    model, _ = load(str(llama_dir), adapter_path=str(result.run_dir))
+    assert np.array_equal(np.array(model.model.embed_tokens.weight), np.array(weights["model.embed_tokens.weight"]))
+
+
+def test_partial_window_is_flushed(llama_dir, chat_data, tmp_path):
+    """12 rows, batch 4, accumulation 2: 3 micro-batches per epoch make 2 steps, the last one short."""
+    trainer = Trainer(config(llama_dir, chat_data, tmp_path / "run", epochs=2, grad_accum_steps=2))
+    assert trainer.total_steps == 4
+    seen = []
+    original = trainer._optimizer_step
+    trainer._optimizer_step = lambda window: (seen.append(len(window)), original(window))
+    trainer.train()
+    assert seen == [2, 1, 2, 1]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rank", "0"], "adapter.rank"),
+        (["--targets", "nope_proj"], "'nope_proj' is not a linear module"),
+        (["--model", "/definitely/missing"], "does not exist"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(llama_dir, chat_data, tmp_path, args, message):
+    base = ["--model", llama_dir, "--data", chat_data, "--output-dir", tmp_path / "run", "--max-steps", 1]
+    proc = run_cli(*base, *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_bad_config_file_and_existing_run(llama_dir, chat_data, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  batch_sise: 3\n")
+    proc = run_cli("--config", bad, "--model", llama_dir, "--data", chat_data)
+    assert proc.returncode == 2 and "unknown key 'train.batch_sise'" in proc.stderr
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "training_state.json").write_text('{"step": 7}')
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = run_cli("--model", llama_dir, "--data", chat_data, "--output-dir", out)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_help_describes_every_option():
+    proc = subprocess.run([sys.executable, "-m", "mlxft.train", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for flag in ("--model", "--data", "--output-dir", "--max-steps", "--epochs", "--batch-size", "--grad-accum-steps",
+                 "--learning-rate", "--optimizer", "--seed", "--save-every", "--eval-every", "--config"):
+        assert flag in proc.stdout
