@@ -266,6 +266,7 @@ def validate(config: RunConfig) -> None:
     need(0 <= o.min_learning_rate <= o.learning_rate, "optim.min_learning_rate", "must be in [0, learning_rate]")
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    need(o.optimizer != "adam" or o.weight_decay == 0, "optim.weight_decay", "Adam has no weight decay; use --optimizer adamw")
     need(o.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0 (0 disables clipping)")
     need(0 <= o.label_smoothing < 1, "optim.label_smoothing", "must be in [0, 1)")
     need(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")

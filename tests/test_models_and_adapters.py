@@ -1,0 +1,112 @@
+"""Loading models, choosing what trains (LoRA, DoRA, QLoRA, full, subsets), config handling."""
+
+import argparse
+
+import pytest
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxft import config as cfg
+from mlxft import lora, models
+from mlxft.config import AdapterConfig, RunConfig
+from mlxft.errors import UserError
+
+
+def trainable_names(model):
+    return {k for k, _ in tree_flatten(model.trainable_parameters())}
+
+
+def test_default_targets_per_family(llama_dir, lfm2_dir):
+    llama, _, _, _ = models.load(str(llama_dir), "float32")
+    assert lora.apply(llama, AdapterConfig(), 0) == [
+        "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
+        "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj",
+    ]
+    lfm2, _, _, _ = models.load(str(lfm2_dir), "float32")
+    assert lora.apply(lfm2, AdapterConfig(targets=["attn"]), 0) == [
+        "conv.in_proj", "conv.out_proj", "self_attn.k_proj", "self_attn.out_proj", "self_attn.q_proj", "self_attn.v_proj",
+    ]
+    names = trainable_names(lfm2)
+    assert names and all(n.endswith(("lora_a", "lora_b")) for n in names)
+    assert not any("feed_forward" in n for n in names)
+
+
+def test_last_n_layers_and_mlp_subset(llama_dir):
+    model, _, _, _ = models.load(str(llama_dir), "float32")
+    lora.apply(model, AdapterConfig(targets=["mlp"], num_layers=1), 0)
+    names = trainable_names(model)
+    assert names == {f"model.layers.1.mlp.{p}.{ab}" for p in ("gate_proj", "up_proj", "down_proj") for ab in ("lora_a", "lora_b")}
+
+
+def test_dora_and_full(llama_dir):
+    model, _, _, _ = models.load(str(llama_dir), "float32")
+    lora.apply(model, AdapterConfig(finetune="dora", targets=["self_attn.q_proj"]), 0)
+    assert {n.rsplit(".", 1)[-1] for n in trainable_names(model)} == {"lora_a", "lora_b", "m"}
+
+    model, _, _, _ = models.load(str(llama_dir), "float32")
+    lora.apply(model, AdapterConfig(finetune="full", targets=["attn"]), 0)
+    names = trainable_names(model)
+    assert "model.layers.0.self_attn.q_proj.weight" in names and not any("mlp" in n or "embed" in n for n in names)
+
+    model, _, _, _ = models.load(str(llama_dir), "float32")
+    lora.apply(model, AdapterConfig(finetune="full"), 0)
+    trainable, total = models.count_parameters(model)
+    assert trainable == total
+
+
+def test_qlora_on_a_quantized_base(llama_dir):
+    model, _, _, _ = models.load(str(llama_dir), "float32", quantize=4, group_size=32)
+    assert models.is_quantized(model)
+    lora.apply(model, AdapterConfig(rank=4), 0)
+    layer = model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer.linear, nn.QuantizedLinear)
+    trainable, total = models.count_parameters(model)
+    assert 0 < trainable < total
+    with pytest.raises(UserError, match="unquantized base"):
+        fresh, _, _, _ = models.load(str(llama_dir), "float32", quantize=4, group_size=32)
+        lora.apply(fresh, AdapterConfig(finetune="full"), 0)
+
+
+def test_dtype_choice(llama_dir):
+    model, _, _, _ = models.load(str(llama_dir), "bfloat16")
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.bfloat16
+    assert models.resolve_dtype("auto") == (mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
+
+
+def test_model_errors_are_one_line(tmp_path, monkeypatch):
+    with pytest.raises(UserError, match="does not exist"):
+        models.resolve_model_path(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no config.json"):
+        models.resolve_model_path(str(tmp_path / "empty"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="not in the local hub cache|cannot download|not found") as err:
+        models.resolve_model_path("someone-who-does-not-exist/tiny-model-xyz")
+    assert "\n" not in str(err.value)
+
+
+def test_config_layers_and_errors(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  model: m\ndata:\n  data: d\noptim:\n  learning_rate: 0.001\nadapter:\n  targets: [attn, mlp]\n")
+    parser = argparse.ArgumentParser()
+    cfg.add_arguments(parser)
+    args = parser.parse_args(["--learning-rate", "0.002", "--targets", "self_attn.q_proj,mlp", "--no-completion-only"])
+    config = cfg.resolve(args, str(path))
+    assert config.optim.learning_rate == 0.002 and config.model.model == "m"
+    assert config.adapter.targets == ["self_attn.q_proj", "mlp"] and config.data.completion_only is False
+    assert config.train.batch_size == cfg.TrainConfig().batch_size
+
+    for text, message in [
+        ("optim:\n  lr: 1\n", "unknown key 'optim.lr'"),
+        ("nonsense:\n  a: 1\n", "unknown section 'nonsense'"),
+        ("train:\n  batch_size: two\n", "train.batch_size: expected an integer"),
+        ("optim:\n  optimizer: lion\n", "'lion' is not one of"),
+        ("train:\n  epochs: 1\n bad: [1\n", r"run.yaml line \d+: invalid YAML"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(UserError, match=message):
+            cfg.resolve(parser.parse_args([]), str(path))
+    with pytest.raises(UserError, match="no model given"):
+        cfg.validate(RunConfig())
