@@ -5,8 +5,11 @@ OpenBLAS on the same cores. MLX resolves ``cblas_sgemm`` and friends through the
 linker, so loading an optimized BLAS into the global symbol scope *before* ``mlx.core``
 is imported makes MLX use it, with no environment variables and no relaunch.
 
-Set ``MLXFT_BLAS=/path/to/libopenblas.so`` to choose a library, or ``MLXFT_BLAS=none`` to
-keep MLX's bundled one.
+Search order: ``MLXFT_BLAS`` (a CBLAS library path, or ``none`` to keep MLX's own), the
+system's OpenBLAS, Intel MKL installed by pip, and finally the ``scipy-openblas32`` wheel (a
+dependency on Linux). That wheel prefixes its symbols (``scipy_cblas_sgemm``), so a
+three-function C shim exporting the plain names is compiled once with the system's C
+compiler into the cache directory.
 """
 
 from __future__ import annotations
@@ -14,8 +17,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import glob
+import hashlib
+import importlib.util
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
 _CANDIDATES = (
     # Debian / Ubuntu (apt install libopenblas0-pthread)
@@ -32,8 +40,23 @@ _CANDIDATES = (
 HINT = (
     "MLX's Linux CPU wheel is using its slow reference BLAS; install OpenBLAS for ~30x faster "
     "float32 training (Debian/Ubuntu: apt-get install libopenblas0-pthread, Fedora: dnf install "
-    "openblas-threads, or pip install mkl), or set MLXFT_BLAS to a CBLAS library path"
+    "openblas-threads, or pip install mkl; or install a C compiler so mlxft can use the "
+    "scipy-openblas32 wheel), or set MLXFT_BLAS to a CBLAS library path"
 )
+
+# The three CBLAS entry points MLX's CPU backend calls, forwarded to the prefixed ones.
+_SHIM_SOURCE = """
+typedef int I;
+extern void scipy_cblas_sgemm(I, I, I, I, I, I, float, const float *, I, const float *, I, float, float *, I);
+extern void scipy_cblas_dgemm(I, I, I, I, I, I, double, const double *, I, const double *, I, double, double *, I);
+extern void scipy_cblas_cgemm(I, I, I, I, I, I, const void *, const void *, I, const void *, I, const void *, void *, I);
+void cblas_sgemm(I o, I ta, I tb, I m, I n, I k, float al, const float *a, I la, const float *b, I lb, float be, float *c, I lc)
+{ scipy_cblas_sgemm(o, ta, tb, m, n, k, al, a, la, b, lb, be, c, lc); }
+void cblas_dgemm(I o, I ta, I tb, I m, I n, I k, double al, const double *a, I la, const double *b, I lb, double be, double *c, I lc)
+{ scipy_cblas_dgemm(o, ta, tb, m, n, k, al, a, la, b, lb, be, c, lc); }
+void cblas_cgemm(I o, I ta, I tb, I m, I n, I k, const void *al, const void *a, I la, const void *b, I lb, const void *be, void *c, I lc)
+{ scipy_cblas_cgemm(o, ta, tb, m, n, k, al, a, la, b, lb, be, c, lc); }
+"""
 
 loaded: str | None = None
 """Path of the BLAS library preloaded for MLX, or None when MLX keeps its own."""
@@ -46,6 +69,41 @@ def _mkl_candidates() -> list[str]:
     return found
 
 
+def _scipy_openblas_shim() -> str | None:
+    """Path of a compiled shim over the scipy-openblas32 wheel, building it once if needed."""
+    spec = importlib.util.find_spec("scipy_openblas32")
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    lib_dir = os.path.join(spec.submodule_search_locations[0], "lib")
+    lib = os.path.join(lib_dir, "libscipy_openblas.so")
+    if not os.path.exists(lib):
+        return None
+    key = hashlib.sha256(f"{lib}:{os.path.getmtime(lib)}:{_SHIM_SOURCE}".encode()).hexdigest()[:16]
+    cache = os.environ.get("MLXFT_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "mlxft")
+    shim = os.path.join(os.path.expanduser(cache), "blas", f"libmlxft_cblas-{key}.so")
+    if os.path.exists(shim):
+        return shim
+    if compiler is None:
+        return None
+    try:
+        os.makedirs(os.path.dirname(shim), exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(shim)) as tmp:
+            source = os.path.join(tmp, "shim.c")
+            with open(source, "w") as f:
+                f.write(_SHIM_SOURCE)
+            built = os.path.join(tmp, "shim.so")
+            subprocess.run(
+                [compiler, "-shared", "-fPIC", "-O2", "-o", built, source, f"-L{lib_dir}", "-lscipy_openblas",
+                 f"-Wl,-rpath,{lib_dir}"],
+                check=True, capture_output=True, timeout=120,
+            )
+            os.replace(built, shim)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return shim
+
+
 def _candidates() -> list[str]:
     choice = os.environ.get("MLXFT_BLAS", "").strip()
     if choice.lower() == "none":
@@ -56,7 +114,7 @@ def _candidates() -> list[str]:
     system = ctypes.util.find_library("openblas")
     if system:
         names.append(system)
-    return names + _mkl_candidates()
+    return names + _mkl_candidates() + ["scipy-openblas32"]
 
 
 def preload() -> str | None:
@@ -65,6 +123,10 @@ def preload() -> str | None:
     if loaded is not None or not sys.platform.startswith("linux") or "mlx.core" in sys.modules:
         return loaded
     for path in _candidates():
+        if path == "scipy-openblas32":
+            path = _scipy_openblas_shim()
+            if path is None:
+                continue
         if os.path.sep in path and not os.path.exists(path):
             continue
         try:

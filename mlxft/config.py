@@ -32,7 +32,9 @@ def _opt(default: Any, help: str, choices: tuple | None = None):
 class ModelConfig:
     """Which model to load and how to hold it in memory."""
 
-    model: str = _opt("", "Model directory or Hugging Face repo id (any architecture mlx-lm loads).")
+    model: str = _opt(
+        "", "Model directory or Hugging Face repo id (any architecture mlx-lm loads), or builtin:smollm2-135m-instruct."
+    )
     revision: str = _opt("", "Hub revision (branch, tag or commit) when --model is a repo id.")
     dtype: str = _opt(
         "auto",
@@ -65,7 +67,7 @@ class AdapterConfig:
 class DataConfig:
     """Where the data is and how it becomes batches."""
 
-    data: str = _opt("", "Directory holding train.jsonl (and valid.jsonl), or a train .jsonl file.")
+    data: str = _opt("", "Directory holding train.jsonl (and valid.jsonl), a train .jsonl file, or builtin:capitals.")
     train_file: str = _opt("", "Explicit training JSONL path (overrides --data).")
     valid_file: str = _opt("", "Explicit validation JSONL path (default: valid.jsonl beside train).")
     max_seq_length: int = _opt(2048, "Truncate sequences to this many tokens.")
@@ -109,6 +111,9 @@ class TrainConfig:
     seed: int = _opt(0, "Seed for data order, adapter init and dropout.")
     eval_every: int = _opt(0, "Validate every N optimizer steps (and always at the end); 0 = end only.")
     max_eval_batches: int = _opt(0, "Cap validation at this many batches; 0 = the whole set.")
+    exact_match_rows: int = _opt(
+        0, "Before and after training, answer this many validation rows greedily and report exact-match; 0 = off."
+    )
     save_every: int = _opt(0, "Save every N optimizer steps (and always at the end); 0 = end only.")
     log_every: int = _opt(10, "Report training loss every N optimizer steps.")
 
@@ -273,7 +278,7 @@ def validate(config: RunConfig) -> None:
     need(t.max_steps >= 0, "train.max_steps", "must be >= 0 (0 = train by epochs)")
     need(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
     need(t.grad_accum_steps >= 1, "train.grad_accum_steps", f"must be >= 1, got {t.grad_accum_steps}")
-    for name in ("eval_every", "save_every", "max_eval_batches"):
+    for name in ("eval_every", "save_every", "max_eval_batches", "exact_match_rows"):
         need(getattr(t, name) >= 0, f"train.{name}", "must be >= 0")
     need(t.log_every >= 1, "train.log_every", "must be >= 1")
     need(bool(t.output_dir), "train.output_dir", "must name a directory")

@@ -64,7 +64,8 @@ class Reporter:
         }
         self._print(
             f"step {step}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | lr {learning_rate:.2e} | "
-            f"{record['supervised_tokens_per_sec']:.0f} tok/s | peak {record['peak_memory_gb']:.2f} GB"
+            f"{record['tokens_per_sec']:.0f} tok/s ({record['supervised_tokens_per_sec']:.0f} supervised) | "
+            f"peak {record['peak_memory_gb']:.2f} GB"
             + (f" | skipped {skipped}" if skipped else "")
         )
         append_metrics(self.run_dir, record)
@@ -78,6 +79,12 @@ class Reporter:
 
         record = {"type": "eval", "step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": tokens}
         self._print(f"step {step}/{self.total_steps} | val loss {loss:.4f} | val ppl {record['val_ppl']:.3f}")
+        append_metrics(self.run_dir, record)
+        return record
+
+    def exact_match(self, step: int, score: float, rows: int, when: str) -> dict:
+        record = {"type": "exact_match", "step": step, "exact_match": score, "rows": rows}
+        self._print(f"exact-match {when}: {score:.1%} of {rows} held-out rows")
         append_metrics(self.run_dir, record)
         return record
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import mlxft  # noqa: F401 - preloads an optimized BLAS before MLX is imported
 from mlxft import config as cfg
@@ -22,10 +23,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+DEFAULT_JOB = Path(__file__).with_name("default_job.yaml")
+
+
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    config = cfg.resolve(args, args.config)
+    config_path = args.config
+    if not config_path and not hasattr(args, "model.model") and not hasattr(args, "data.data"):
+        config_path = DEFAULT_JOB  # no model, data or config given: the built-in default job
+        print(f"no --model/--data/--config given: running the default job ({DEFAULT_JOB.name})")
+    config = cfg.resolve(args, config_path)
     from mlxft.trainer import fine_tune
 
     result = fine_tune(config)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxft import checkpoint, data, lora, models
+from mlxft import _blas, builtin, checkpoint, data, generation, lora, models
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError
 from mlxft.loss import loss_fn
@@ -32,6 +32,8 @@ class TrainResult:
     train_loss: float | None
     val_loss: float | None
     skipped_steps: int
+    exact_match_before: float | None = None
+    exact_match_after: float | None = None
 
 
 def check_output_dir(run_dir: Path, overwrite: bool) -> None:
@@ -55,11 +57,12 @@ class Trainer:
         t = config.train
         self.run_dir = Path(t.output_dir)
         check_output_dir(self.run_dir, t.overwrite)
-        self.train_file, self.valid_file = data.resolve_files(config.data.data, config.data.train_file, config.data.valid_file)
+        self.train_file, self.valid_file = data.resolve_files(
+            builtin.resolve(config.data.data), config.data.train_file, config.data.valid_file)
 
         if model is None:
             model, tokenizer, _, _ = models.load(
-                config.model.model, config.model.dtype, config.model.quantize,
+                builtin.resolve(config.model.model), config.model.dtype, config.model.quantize,
                 config.model.quantize_group_size, config.model.revision,
             )
         self.model, self.tokenizer = model, tokenizer
@@ -91,6 +94,8 @@ class Trainer:
         device = mx.default_device()
         kind = "CPU" if device == mx.cpu else ("Metal" if mx.metal.is_available() else "GPU")
         info = self.reporter.info
+        if _blas.uses_reference_blas():
+            info(f"warning: {_blas.HINT}")
         info(f"device: {kind} | model: {self.config.model.model} ({models.family(self.model)}) | "
              f"{self.config.adapter.finetune} on {', '.join(self.targets)}")
         info(f"trainable parameters: {trainable:,} / {total:,} ({100 * trainable / max(total, 1):.3f}%)")
@@ -104,6 +109,9 @@ class Trainer:
 
     def train(self) -> TrainResult:
         t = self.config.train
+        if self.valid_set is not None and self.step_count == 0:
+            self._evaluate()  # the baseline the validation curve starts from
+        before = self._exact_match("before training") if t.exact_match_rows else None
         while self.step_count < self.total_steps:
             batches = data.epoch_batches(self.train_set.lengths, t.batch_size, t.seed, self.epoch)
             for start in range(0, len(batches), t.grad_accum_steps):
@@ -116,7 +124,24 @@ class Trainer:
             self._evaluate()
         if not t.save_every or self.step_count % t.save_every:
             self.save()
-        return TrainResult(self.run_dir, self.step_count, self.reporter.last_train_loss, self.last_val_loss, self.skipped_steps)
+        result = TrainResult(self.run_dir, self.step_count, self.reporter.last_train_loss, self.last_val_loss, self.skipped_steps)
+        if before is not None:
+            after = self._exact_match("after training")
+            self._show_answers(before, after)
+            result.exact_match_before, result.exact_match_after = before[0], after[0]
+        return result
+
+    def _exact_match(self, when: str):
+        """Exact-match of greedy answers on the first validation rows (the training rows if none)."""
+        source = self.valid_file or self.train_file
+        pairs = generation.qa_pairs(source, self.config.train.exact_match_rows)
+        score, answers = generation.exact_match(self.model, self.tokenizer, pairs, self.config.data.prompt_format)
+        self.reporter.exact_match(self.step_count, score, len(answers), when)
+        return score, answers
+
+    def _show_answers(self, before, after, count: int = 3) -> None:
+        for old, new in list(zip(before[1], after[1]))[:count]:
+            self.reporter.info(f"Q: {old.prompt}\n  reference: {old.reference}\n  before: {old.generated!r}\n  after:  {new.generated!r}")
 
     def _optimizer_step(self, window) -> None:
         state = None
@@ -135,7 +160,7 @@ class Trainer:
     def _after_step(self) -> None:
         t, k = self.config.train, self.step_count
         if k % t.log_every == 0 or k == self.total_steps:
-            self.reporter.train(k, self.epoch, self.learning_rate, self.skipped_steps)
+            self.reporter.train(k, self.epoch + 1, self.learning_rate, self.skipped_steps)
         if self.valid_set is not None and t.eval_every and k % t.eval_every == 0:
             self._evaluate()
         if t.save_every and k % t.save_every == 0:

@@ -65,7 +65,7 @@ def test_cli_run_writes_every_file(llama_dir, chat_data, tmp_path):
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3, 4]
-    assert [r["step"] for r in records if r["type"] == "eval"] == [2, 4]
+    assert [r["step"] for r in records if r["type"] == "eval"] == [0, 2, 4]  # a baseline, then every 2 steps
     assert all(r["tokens_per_sec"] > 0 and "peak_memory_gb" in r for r in records if r["type"] == "train")
     assert "trainable parameters" in proc.stdout and "saved" in proc.stdout
 

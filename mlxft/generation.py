@@ -1,0 +1,65 @@
+"""Greedy generation for evaluation: exact-match of answers on held-out rows.
+
+Prompts are rendered the way training renders them (the chat template with a generation
+prompt, or the raw prompt), so the metric measures what the loss trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxft.data import read_jsonl
+
+
+@dataclass
+class Answer:
+    prompt: str
+    reference: str
+    generated: str
+
+    @property
+    def correct(self) -> bool:
+        return normalize(self.generated) == normalize(self.reference)
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.strip().rstrip(".").split()).casefold()
+
+
+def prompt_ids(tokenizer, messages: list[dict], prompt_format: str = "auto") -> list[int]:
+    use_chat = prompt_format == "chat" or (prompt_format == "auto" and getattr(tokenizer, "chat_template", None))
+    if use_chat:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(messages[-1]["content"], add_special_tokens=True))
+
+
+def qa_pairs(path, limit: int) -> list[tuple[list[dict], str]]:
+    """(prompt messages, reference answer) from prompt/completion or chat rows."""
+    pairs = []
+    for _, row in read_jsonl(path):
+        if "messages" in row:
+            msgs = row["messages"]
+            last = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=None)
+            if last is None:
+                continue
+            pairs.append((msgs[:last], msgs[last]["content"]))
+        elif "prompt" in row and "completion" in row:
+            pairs.append(([{"role": "user", "content": row["prompt"]}], row["completion"]))
+        if len(pairs) >= limit:
+            break
+    return pairs
+
+
+def exact_match(model, tokenizer, pairs, prompt_format: str = "auto", max_tokens: int = 32) -> tuple[float, list[Answer]]:
+    """Share of pairs whose greedy answer equals the reference (case, spacing, final period aside)."""
+    from mlx_lm import generate
+
+    model.eval()
+    answers = []
+    for messages, reference in pairs:
+        text = generate(model, tokenizer, prompt_ids(tokenizer, messages, prompt_format), max_tokens=max_tokens)
+        answers.append(Answer(messages[-1]["content"], reference, text.strip()))
+    model.train()
+    score = sum(a.correct for a in answers) / max(len(answers), 1)
+    return score, answers

@@ -1,0 +1,41 @@
+"""The Linux CPU path gets an optimized BLAS, and the results stay exact."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's CPU wheel BLAS is a Linux matter")
+
+PROBE = """
+import json, mlxft._blas as blas
+import mlx.core as mx, numpy as np
+rng = np.random.default_rng(0)
+a, b = rng.normal(size=(67, 45)).astype(np.float32), rng.normal(size=(45, 31)).astype(np.float32)
+err = float(np.abs(np.array(mx.array(a) @ mx.array(b).T.T) - a @ b).max())
+errt = float(np.abs(np.array(mx.array(a.T).T @ mx.array(b)) - a @ b).max())
+print(json.dumps({"loaded": blas.loaded, "reference": blas.uses_reference_blas(), "err": max(err, errt)}))
+"""
+
+
+def probe(tmp_path, choice):
+    env = {**os.environ, "MLXFT_BLAS": choice, "MLXFT_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler for the shim")
+def test_scipy_openblas_shim_is_built_once_and_exact(tmp_path):
+    first = probe(tmp_path, "scipy-openblas32")
+    assert first["loaded"].startswith(str(tmp_path / "blas")) and not first["reference"]
+    assert first["err"] < 1e-4
+    assert probe(tmp_path, "scipy-openblas32")["loaded"] == first["loaded"]  # cached, not rebuilt
+
+
+def test_opting_out_keeps_the_reference_blas_and_says_so(tmp_path):
+    result = probe(tmp_path, "none")
+    assert result["loaded"] is None and result["reference"] and result["err"] < 1e-4
