@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -164,3 +166,139 @@ def apply_adapter_weights(model: nn.Module, weights: dict[str, mx.array], source
     if missing:
         raise UserError(f"{source}: no tensor for parameter {missing[0]} ({len(missing)} missing); the adapter is for another layout")
     model.load_weights([(k, v.astype(params[k].dtype)) for k, v in weights.items()], strict=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Training checkpoints: run_dir/checkpoint-<step>/ (and -emergency, final), `latest` link.
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+WINDOW_FILE = "window.safetensors"
+TRAINER_STATE = "trainer_state.json"
+LATEST = "latest"
+_STEP_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_name(step: int, kind: str = "step") -> str:
+    """``checkpoint-<step>`` for periodic saves, with ``-emergency`` or as ``final``."""
+    if kind == "final":
+        return "final"
+    return f"checkpoint-{step}" + ("-emergency" if kind == "emergency" else "")
+
+
+def _write_checkpoint_files(directory: Path, model, metadata, optimizer_state, window, trainer_state, config) -> None:
+    mx.save_safetensors(str(directory / ADAPTER_FILE), trainable_weights(model), metadata=metadata)
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(mlx_lm_adapter_config(metadata), indent=2))
+    mx.save_safetensors(str(directory / OPTIMIZER_FILE), optimizer_state)
+    if window:
+        mx.save_safetensors(str(directory / WINDOW_FILE), window)
+    (directory / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+    (directory / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
+    for path in directory.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def save_checkpoint(run_dir: Path, name: str, model, metadata: dict, optimizer_state: dict[str, mx.array],
+                    window: dict[str, mx.array] | None, trainer_state: dict, config: dict) -> Path:
+    """Write a checkpoint directory under a temporary name, rename it into place, point
+    ``latest`` at it. A crash at any moment leaves every earlier checkpoint intact."""
+    run_dir = Path(run_dir)
+    final = run_dir / name
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=run_dir))
+    try:
+        _write_checkpoint_files(tmp, model, metadata, optimizer_state, window, trainer_state, config)
+        if final.exists():  # re-saving the same step (e.g. final after a resume): swap
+            old = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".old", dir=run_dir))
+            os.replace(final, old / name)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(run_dir)
+        link = run_dir / f".{LATEST}.{os.getpid()}.tmp"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        os.symlink(name, link)
+        os.replace(link, run_dir / LATEST)
+        _fsync_dir(run_dir)
+    except OSError as err:
+        raise UserError(f"cannot write checkpoint {final}: {err.strerror or err}; free disk space (earlier checkpoints are intact)") from err
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` periodic checkpoints; final and emergency stay."""
+    if keep <= 0:
+        return []
+    found = sorted((int(m.group(1)), p) for p in Path(run_dir).iterdir() if (m := _STEP_CHECKPOINT.match(p.name)) and p.is_dir())
+    doomed = [p for _, p in found[:-keep]]
+    latest = (Path(run_dir) / LATEST).resolve()
+    for path in doomed:
+        if path.resolve() != latest:
+            shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def resolve_checkpoint(spec: str, run_dir: Path) -> Path:
+    """``latest`` (in ``run_dir``) or a checkpoint directory path."""
+    path = Path(run_dir) / LATEST if spec == LATEST else Path(spec)
+    if spec == LATEST and not path.exists():
+        raise UserError(f"--resume latest: {run_dir} has no checkpoint yet; pass --resume PATH or check --output-dir")
+    path = path.resolve()
+    if not (path / TRAINER_STATE).is_file():
+        raise UserError(f"--resume {spec}: {path} is not a checkpoint directory (no {TRAINER_STATE})")
+    return path
+
+
+def _read_safetensors(path: Path) -> dict[str, mx.array]:
+    try:
+        return mx.load(str(path))
+    except (RuntimeError, ValueError, OSError) as err:
+        raise UserError(f"{path} is not a readable safetensors file ({str(err).splitlines()[0]}); it may be truncated") from err
+
+
+def load_checkpoint(path: Path) -> dict:
+    """Everything a checkpoint holds: state, config, adapter weights, optimizer, window."""
+    path = Path(path)
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+        config = yaml.safe_load((path / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError, yaml.YAMLError) as err:
+        raise UserError(f"checkpoint {path} is unreadable ({err}); resume from an earlier checkpoint") from err
+    window_path = path / WINDOW_FILE
+    return {
+        "state": state,
+        "config": config,
+        "adapters": _read_safetensors(path / ADAPTER_FILE),
+        "optimizer": _read_safetensors(path / OPTIMIZER_FILE),
+        "window": _read_safetensors(window_path) if window_path.exists() else None,
+    }
+
+
+# Settings a resumed run must share with its checkpoint. Shape-defining ones can never
+# differ; the rest change the run's meaning but not its tensors, so --force may override.
+RESUME_FIXED = ("adapter.finetune", "adapter.targets", "adapter.rank", "adapter.num_layers", "model.quantize")
+RESUME_FORCEABLE = ("model.model", "data.max_seq_length", "adapter.alpha", "adapter.dropout", "train.seed",
+                    "train.batch_size", "train.grad_accum_steps")
+
+
+def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: bool) -> list[str]:
+    """Refuse a resume whose settings differ from the checkpoint's; return forced differences."""
+
+    def get(config, dotted):
+        section, key = dotted.split(".")
+        return config.get(section, {}).get(key)
+
+    forced = []
+    pairs = [(f, get(saved, f), get(current, f)) for f in RESUME_FIXED + RESUME_FORCEABLE] + [("task", saved_task, task)]
+    for field_name, old, new in pairs:
+        if old == new:
+            continue
+        if field_name in RESUME_FIXED or not force:
+            hint = "" if field_name in RESUME_FIXED else " (pass --force to resume anyway)"
+            raise UserError(f"cannot resume: {field_name} is {new!r} but the checkpoint was trained with {old!r}{hint}")
+        forced.append(f"{field_name}: {old!r} -> {new!r}")
+    return forced

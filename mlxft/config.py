@@ -96,6 +96,9 @@ class OptimConfig:
     momentum: float = _opt(0.0, "SGD momentum.")
     max_grad_norm: float = _opt(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
     label_smoothing: float = _opt(0.0, "Label smoothing of the cross-entropy, in [0, 1).")
+    max_nonfinite_steps: int = _opt(
+        5, "Stop with an emergency checkpoint after this many non-finite steps in a row; 0 = never."
+    )
 
 
 @dataclass
@@ -116,6 +119,12 @@ class TrainConfig:
     )
     save_every: int = _opt(0, "Save every N optimizer steps (and always at the end); 0 = end only.")
     log_every: int = _opt(10, "Report training loss every N optimizer steps.")
+    keep_checkpoints: int = _opt(
+        3, "Keep the newest N checkpoint-<step> directories; final and emergency ones are never deleted. 0 = keep all."
+    )
+    resume: str = _opt("", "Continue from a checkpoint directory, or 'latest' (the newest in --output-dir).")
+    force: bool = _opt(False, "Resume even when harmless settings differ from the checkpoint's (model name, "
+                              "sequence length, alpha, dropout, seed, batch size, accumulation).")
 
 
 SECTIONS: dict[str, type] = {
@@ -278,7 +287,8 @@ def validate(config: RunConfig) -> None:
     need(t.max_steps >= 0, "train.max_steps", "must be >= 0 (0 = train by epochs)")
     need(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
     need(t.grad_accum_steps >= 1, "train.grad_accum_steps", f"must be >= 1, got {t.grad_accum_steps}")
-    for name in ("eval_every", "save_every", "max_eval_batches", "exact_match_rows"):
+    need(o.max_nonfinite_steps >= 0, "optim.max_nonfinite_steps", "must be >= 0")
+    for name in ("eval_every", "save_every", "max_eval_batches", "exact_match_rows", "keep_checkpoints"):
         need(getattr(t, name) >= 0, f"train.{name}", "must be >= 0")
     need(t.log_every >= 1, "train.log_every", "must be >= 1")
     need(bool(t.output_dir), "train.output_dir", "must name a directory")

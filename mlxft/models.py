@@ -65,7 +65,7 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
     try:
         model, config = load_model(path)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError) as err:
+    except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"cannot load model from {path}: {first}") from err
     model.set_dtype(resolve_dtype(dtype))
@@ -98,6 +98,16 @@ def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
 def hidden_states(model: nn.Module, inputs: mx.array) -> mx.array:
     """The body's final normalized hidden states ``[B, T, D]`` (models with a plain head)."""
     return model.model(inputs)
+
+
+def compute_dtype(model: nn.Module) -> mx.Dtype:
+    """The floating dtype the model computes in (that of its first floating parameter)."""
+    from mlx.utils import tree_flatten
+
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -44,26 +44,31 @@ def build_step(
     max_grad_norm: float = 0.0,
     reduce: Callable[[object], object] | None = None,
 ):
-    """Return ``step(batch, window, update) -> (StepResult, window)``.
+    """Return ``step(batch, window, update, loss_scale) -> (StepResult, window)``.
 
     ``loss(model, *batch) -> (mean_loss, ntokens)``. ``window`` carries the running
     ``(grad_sum, loss_sum, tokens)`` between micro-batches (None starts a new one);
-    ``update=True`` ends the window and applies the optimizer. ``reduce`` sums a tree
-    across data-parallel ranks (identity when training on one process).
+    ``update=True`` ends the window and applies the optimizer. ``loss_scale`` (an array)
+    multiplies the loss before differentiation and divides the gradients after, so float16
+    gradients do not underflow (see :class:`LossScaler`). ``reduce`` sums a tree across
+    data-parallel ranks (identity when training on one process).
     """
     optimizer.init(model.trainable_parameters())
 
-    def summed(model, *batch):
+    def summed(model, *batch_and_scale):
+        *batch, loss_scale = batch_and_scale
         mean, ntokens = loss(model, *batch)
-        return mean * ntokens, ntokens
+        # The reported sum is unscaled; only the differentiated value carries the scale.
+        scaled = mean * ntokens * loss_scale
+        return scaled, (mean * ntokens, ntokens)
 
     value_and_grad = nn.value_and_grad(model, summed)
     state = [model.state, optimizer.state, mx.random.state]
     clip_to = max_grad_norm if max_grad_norm > 0 else float("inf")
 
     @partial(mx.compile, inputs=state, outputs=state)
-    def compiled(batch, window, update):
-        (loss_sum, tokens), grads = value_and_grad(model, *batch)
+    def compiled(batch, window, update, loss_scale):
+        (_, (loss_sum, tokens)), grads = value_and_grad(model, *batch, loss_scale)
         if window is not None:
             prev_grads, prev_loss, prev_tokens = window
             grads = tree_map(mx.add, grads, prev_grads)
@@ -73,7 +78,7 @@ def build_step(
         total = tokens
         if reduce is not None:
             grads, total = reduce((grads, tokens))
-        grads = tree_map(lambda g: g / mx.maximum(total, 1), grads)
+        grads = tree_map(lambda g: g / (mx.maximum(total, 1) * loss_scale), grads)
         grads, norm = optim.clip_grad_norm(grads, clip_to)
         finite = mx.isfinite(norm)
         old_params = model.trainable_parameters()
@@ -85,10 +90,47 @@ def build_step(
         optimizer.state.update(_where_tree(finite, new_moments, old_moments))
         return loss_sum, tokens, None, norm, finite
 
-    def step(batch, window, update: bool):
-        loss_sum, tokens, grads, norm, applied = compiled(batch, window, update)
+    unit_scale = mx.array(1.0)
+
+    def step(batch, window, update: bool, loss_scale: mx.array | None = None):
+        scale = unit_scale if loss_scale is None else loss_scale
+        loss_sum, tokens, grads, norm, applied = compiled(batch, window, update, scale)
         next_window = None if update else (grads, loss_sum, tokens)
         return StepResult(loss_sum, tokens, norm, applied), next_window
 
     step.state = state
     return step
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16: halve on overflow (the step is skipped), double after
+    ``growth_interval`` finite steps in a row. Disabled, it keeps the scale at 1."""
+
+    def __init__(self, enabled: bool, scale: float = 2.0**15, growth_interval: int = 1000):
+        self.enabled = enabled
+        self.scale = scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+        self._array = mx.array(self.scale)
+
+    @property
+    def array(self) -> mx.array:
+        return self._array
+
+    def update(self, finite: bool) -> None:
+        if not self.enabled:
+            return
+        if finite:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale, self.good_steps = self.scale * 2.0, 0
+        else:
+            self.scale, self.good_steps = max(self.scale / 2.0, 1.0), 0
+        self._array = mx.array(self.scale)
+
+    def state(self) -> dict:
+        return {"enabled": self.enabled, "scale": self.scale, "good_steps": self.good_steps}
+
+    def load(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        self._array = mx.array(self.scale)

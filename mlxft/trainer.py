@@ -1,9 +1,11 @@
 """The training run: set up model, data and optimizer, then a short loop that delegates.
 
 ``Trainer(config).train()`` is the whole run; ``fine_tune(config)`` is the same in one call.
-The loop walks epochs of seeded batches in windows of ``grad_accum_steps`` micro-batches
-(the last window of an epoch may be shorter and is applied, not dropped), and hands
-evaluation, reporting and saving to their own functions.
+The loop walks epochs of seeded batches one micro-batch at a time; windows of
+``grad_accum_steps`` micro-batches end in an optimizer step (the last window of an epoch may
+be shorter and is applied, not dropped). Its position (epoch, micro-batch, open window) is
+all a checkpoint needs to continue exactly, so a resumed run ends where an uninterrupted one
+would. Evaluation, reporting and saving live in their own methods and modules.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 from mlxft import _blas, builtin, checkpoint, data, generation, lora, models
 from mlxft.config import RunConfig, validate
@@ -22,7 +26,8 @@ from mlxft.errors import UserError
 from mlxft.loss import loss_fn
 from mlxft.optim import build_optimizer
 from mlxft.report import Reporter
-from mlxft.step import build_step
+from mlxft.signals import StopRequests
+from mlxft.step import LossScaler, build_step
 
 
 @dataclass
@@ -36,10 +41,20 @@ class TrainResult:
     exact_match_after: float | None = None
 
 
-def check_output_dir(run_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix two runs in one directory unless asked to."""
-    holds_run = any((run_dir / name).exists() for name in (checkpoint.STATE_FILE, checkpoint.ADAPTER_FILE))
-    if holds_run and not overwrite:
+class TrainingStopped(Exception):
+    """The run stopped early (signal, or gradients that stay non-finite) after saving."""
+
+    def __init__(self, message: str, exit_code: int, checkpoint: Path | None):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.checkpoint = checkpoint
+
+
+def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = None) -> None:
+    """Refuse to mix two runs in one directory unless asked to (resuming continues one)."""
+    holds_run = any((run_dir / name).exists() for name in (checkpoint.STATE_FILE, checkpoint.ADAPTER_FILE, checkpoint.LATEST))
+    continuing = resume_from is not None and resume_from.parent == run_dir.resolve()
+    if holds_run and not overwrite and not continuing:
         raise UserError(f"output directory {run_dir} already holds a run; choose another --output-dir or pass --overwrite")
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"output path {run_dir} is a file; choose a directory for --output-dir")
@@ -56,7 +71,8 @@ class Trainer:
         self.config = config
         t = config.train
         self.run_dir = Path(t.output_dir)
-        check_output_dir(self.run_dir, t.overwrite)
+        resume_from = checkpoint.resolve_checkpoint(t.resume, self.run_dir) if t.resume else None
+        check_output_dir(self.run_dir, t.overwrite, resume_from)
         self.train_file, self.valid_file = data.resolve_files(
             builtin.resolve(config.data.data), config.data.train_file, config.data.valid_file)
 
@@ -77,17 +93,26 @@ class Trainer:
         self.steps_per_epoch = math.ceil(batches_per_epoch / t.grad_accum_steps)
         self.total_steps = t.max_steps or t.epochs * self.steps_per_epoch
         self.optimizer = build_optimizer(config.optim, self.total_steps)
+        self.scaler = LossScaler(enabled=models.compute_dtype(model) == mx.float16)
+        # Position in the data and the open accumulation window: what exact resume needs.
+        self.step_count = self.epoch = self.batch_index = 0
+        self.window = None
+        self.window_real_tokens = 0
+        self.skipped_steps = self.nonfinite_streak = 0
+        self.best_val_loss: float | None = None
+        self.last_val_loss: float | None = None
+        self.stop = StopRequests()
+        forced = self._restore(resume_from) if resume_from else []
         self.step = build_step(model, self.optimizer, partial(loss_fn, label_smoothing=config.optim.label_smoothing),
                                config.optim.max_grad_norm)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / checkpoint.METRICS_FILE).write_text("")
+        if resume_from is None:
+            (self.run_dir / checkpoint.METRICS_FILE).write_text("")
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps)
-        self.step_count = 0
-        self.epoch = 0
-        self.skipped_steps = 0
-        self.best_val_loss: float | None = None
-        self.last_val_loss: float | None = None
         self._describe()
+        if resume_from:
+            self.reporter.info(f"resumed from {resume_from} at step {self.step_count} (epoch {self.epoch + 1}, "
+                               f"micro-batch {self.batch_index})" + (f"; forced: {'; '.join(forced)}" if forced else ""))
 
     def _describe(self) -> None:
         trainable, total = models.count_parameters(self.model)
@@ -108,28 +133,68 @@ class Trainer:
         return data.make_batch(rows, self.config.train.batch_size, self.config.data.length_bucket)
 
     def train(self) -> TrainResult:
+        """Train to the last step; raises :class:`TrainingStopped` after an emergency save."""
         t = self.config.train
-        if self.valid_set is not None and self.step_count == 0:
+        if self.valid_set is not None and self.step_count == 0 and self.batch_index == 0:
             self._evaluate()  # the baseline the validation curve starts from
         before = self._exact_match("before training") if t.exact_match_rows else None
-        while self.step_count < self.total_steps:
-            batches = data.epoch_batches(self.train_set.lengths, t.batch_size, t.seed, self.epoch)
-            for start in range(0, len(batches), t.grad_accum_steps):
-                if self.step_count >= self.total_steps:
-                    break
-                self._optimizer_step(batches[start : start + t.grad_accum_steps])
-                self._after_step()
-            self.epoch += 1
+        with self.stop:
+            while self.step_count < self.total_steps:
+                batches = data.epoch_batches(self.train_set.lengths, t.batch_size, t.seed, self.epoch)
+                while self.batch_index < len(batches) and self.step_count < self.total_steps:
+                    if self.stop.requested:
+                        path = self.save_checkpoint("emergency")
+                        raise TrainingStopped(f"stopped by {self.stop.name} at step {self.step_count}; saved {path}; "
+                                              "continue with --resume latest", 128 + (self.stop.signum or 0), path)
+                    self._micro_step(batches)
+                if self.batch_index >= len(batches):
+                    self.epoch, self.batch_index = self.epoch + 1, 0
         if self.valid_set is not None and (not t.eval_every or self.step_count % t.eval_every):
             self._evaluate()
-        if not t.save_every or self.step_count % t.save_every:
-            self.save()
+        self.save()
+        self.save_checkpoint("final")
         result = TrainResult(self.run_dir, self.step_count, self.reporter.last_train_loss, self.last_val_loss, self.skipped_steps)
         if before is not None:
             after = self._exact_match("after training")
             self._show_answers(before, after)
             result.exact_match_before, result.exact_match_after = before[0], after[0]
         return result
+
+    def _micro_step(self, batches) -> None:
+        """One micro-batch; the last of its window (or of the epoch) applies the update."""
+        accum, i = self.config.train.grad_accum_steps, self.batch_index
+        update = (i + 1) % accum == 0 or i == len(batches) - 1
+        batch = self.batch(self.train_set, batches[i])
+        # Dropout noise is a function of the position alone, so a resumed run draws the same.
+        mx.random.seed(int(np.random.SeedSequence([self.config.train.seed, self.epoch, i]).generate_state(1)[0]))
+        result, self.window = self.step(batch.arrays(), self.window, update, self.scaler.array)
+        mx.eval(self.step.state, result.loss_sum, result.tokens, self.window)
+        self.batch_index += 1
+        self.window_real_tokens += batch.real_tokens
+        if update:
+            self._finish_step(result)
+
+    def _finish_step(self, result) -> None:
+        self.step_count += 1
+        applied = bool(result.applied.item())
+        self.scaler.update(applied)
+        self.reporter.step(self.step_count, result.loss_sum.item(), int(result.tokens.item()), self.window_real_tokens)
+        self.window_real_tokens = 0
+        if not applied:
+            self.skipped_steps += 1
+            self.nonfinite_streak += 1
+            self.reporter.info(f"step {self.step_count}: gradient norm is not finite; update skipped"
+                               + (f" (loss scale now {self.scaler.scale:g})" if self.scaler.enabled else ""))
+            limit = self.config.optim.max_nonfinite_steps
+            if limit and self.nonfinite_streak >= limit and self.scaler.scale <= 1.0:
+                path = self.save_checkpoint("emergency")
+                raise TrainingStopped(
+                    f"gradients were not finite for {self.nonfinite_streak} steps in a row (step {self.step_count}); "
+                    f"saved {path}. Lower --learning-rate, set --max-grad-norm, or check the data, then --resume latest",
+                    1, path)
+        else:
+            self.nonfinite_streak = 0
+        self._after_step()
 
     def _exact_match(self, when: str):
         """Exact-match of greedy answers on the first validation rows (the training rows if none)."""
@@ -143,29 +208,17 @@ class Trainer:
         for old, new in list(zip(before[1], after[1]))[:count]:
             self.reporter.info(f"Q: {old.prompt}\n  reference: {old.reference}\n  before: {old.generated!r}\n  after:  {new.generated!r}")
 
-    def _optimizer_step(self, window) -> None:
-        state = None
-        loss_sum = tokens = real = 0
-        for i, indices in enumerate(window):
-            batch = self.batch(self.train_set, indices)
-            real += batch.real_tokens
-            result, state = self.step(batch.arrays(), state, update=i == len(window) - 1)
-            mx.eval(self.step.state, result.loss_sum, result.tokens, state)
-        self.step_count += 1
-        if not bool(result.applied.item()):
-            self.skipped_steps += 1
-            self.reporter.info(f"step {self.step_count}: gradient norm is not finite; update skipped")
-        self.reporter.step(self.step_count, result.loss_sum.item(), int(result.tokens.item()), real)
-
     def _after_step(self) -> None:
         t, k = self.config.train, self.step_count
         if k % t.log_every == 0 or k == self.total_steps:
             self.reporter.train(k, self.epoch + 1, self.learning_rate, self.skipped_steps)
         if self.valid_set is not None and t.eval_every and k % t.eval_every == 0:
             self._evaluate()
-        if t.save_every and k % t.save_every == 0:
+        if t.save_every and k % t.save_every == 0 and k < self.total_steps:
             tic = time.perf_counter()
             self.save()
+            self.save_checkpoint("step")
+            checkpoint.prune_checkpoints(self.run_dir, t.keep_checkpoints)
             self.reporter.pause_clock(time.perf_counter() - tic)
 
     @property
@@ -220,6 +273,53 @@ class Trainer:
             "seed": c.train.seed,
             "skipped_steps": self.skipped_steps,
         }
+
+    def resume_state(self) -> dict:
+        """The training state plus the exact position: what a checkpoint's JSON holds."""
+        return {
+            **self.training_state(),
+            "batch_index": self.batch_index,
+            "window_real_tokens": self.window_real_tokens,
+            "nonfinite_streak": self.nonfinite_streak,
+            "last_val_loss": self.last_val_loss,
+            "loss_scaler": self.scaler.state(),
+        }
+
+    def save_checkpoint(self, kind: str) -> Path:
+        """A resumable checkpoint (``step``, ``emergency`` or ``final``) in the run directory."""
+        optimizer_state = dict(tree_flatten(self.optimizer.state))
+        window = None
+        if self.window is not None:
+            grads, loss_sum, tokens = self.window
+            window = {**dict(tree_flatten(grads)), "mlxft.loss_sum": loss_sum, "mlxft.tokens": tokens}
+        path = checkpoint.save_checkpoint(
+            self.run_dir, checkpoint.checkpoint_name(self.step_count, kind), self.model, self.adapter_metadata(),
+            optimizer_state, window, self.resume_state(), self.config.to_dict())
+        self.reporter.info(f"checkpoint {path}")
+        return path
+
+    def _restore(self, path: Path) -> list[str]:
+        """Load a checkpoint's weights, optimizer, random state and position."""
+        saved = checkpoint.load_checkpoint(path)
+        state = saved["state"]
+        forced = checkpoint.check_resume(saved["config"], self.config.to_dict(), state.get("task"), self.train_set.kind,
+                                         self.config.train.force)
+        checkpoint.apply_adapter_weights(self.model, saved["adapters"], str(path / checkpoint.ADAPTER_FILE))
+        optimizer = dict(saved["optimizer"])
+        self.optimizer.init(self.model.trainable_parameters())
+        self.optimizer.state.update(tree_unflatten(list(optimizer.items())))  # in place: the step holds this dict
+        if saved["window"] is not None:
+            window = dict(saved["window"])
+            loss_sum, tokens = window.pop("mlxft.loss_sum"), window.pop("mlxft.tokens")
+            # Rebuild the gradient tree on the parameters' own structure (it has empty containers).
+            grads = tree_map_with_path(lambda name, _: window[name], self.model.trainable_parameters())
+            self.window = (grads, loss_sum, tokens)
+        self.step_count, self.epoch, self.batch_index = state["step"], state["epoch"], state["batch_index"]
+        self.window_real_tokens = state["window_real_tokens"]
+        self.skipped_steps, self.nonfinite_streak = state["skipped_steps"], state["nonfinite_streak"]
+        self.best_val_loss, self.last_val_loss = state["best_val_loss"], state["last_val_loss"]
+        self.scaler.load(state["loss_scaler"])
+        return forced
 
     def save(self) -> None:
         checkpoint.save_run(self.run_dir, self.model, self.adapter_metadata(), self.config.to_dict(), self.training_state())

@@ -121,11 +121,17 @@ def test_partial_window_is_flushed(llama_dir, chat_data, tmp_path):
     """12 rows, batch 4, accumulation 2: 3 micro-batches per epoch make 2 steps, the last one short."""
     trainer = Trainer(config(llama_dir, chat_data, tmp_path / "run", epochs=2, grad_accum_steps=2))
     assert trainer.total_steps == 4
-    seen = []
-    original = trainer._optimizer_step
-    trainer._optimizer_step = lambda window: (seen.append(len(window)), original(window))
+    updates = []
+    original = trainer.step
+
+    def recording(batch, window, update, scale):
+        updates.append(update)
+        return original(batch, window, update, scale)
+
+    recording.state = original.state
+    trainer.step = recording
     trainer.train()
-    assert seen == [2, 1, 2, 1]
+    assert updates == [False, True, True, False, True, True]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,46 @@
+"""Stop requests from SIGINT / SIGTERM: the first asks the loop to save and stop at the next
+micro-batch boundary; a second one exits at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+
+class StopRequests:
+    """Installs handlers for the lifetime of a ``with`` block (main thread only)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def request(self, signum: int = signal.SIGTERM) -> None:
+        """Ask the loop to stop as a signal would (also usable from code and tests)."""
+        self.signum = signum
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)  # a second signal: the user wants out now
+        self.signum = signum
+
+    def __enter__(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "stop request"

@@ -1,0 +1,314 @@
+"""Never lose work: exact resume, crash-safe checkpoints, signals, retention, bad input."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlxft import RunConfig, Trainer, checkpoint, models
+from mlxft.errors import UserError
+from mlxft.step import LossScaler
+from mlxft.trainer import TrainingStopped
+
+from conftest import CHAT_ROWS, write_jsonl
+
+
+def config(model_dir, data_dir, out, **train):
+    return RunConfig.from_dict({
+        "model": {"model": str(model_dir)},
+        "data": {"data": str(data_dir)},
+        "adapter": {"dropout": 0.1},  # dropout makes the random state part of the test
+        "optim": {"learning_rate": 5e-3, "warmup_steps": 2},
+        "train": {"output_dir": str(out), "batch_size": 2, "grad_accum_steps": 2, "epochs": 2, "log_every": 1,
+                  "save_every": 2, "keep_checkpoints": 0, **train},
+    })
+
+
+def weights(model):
+    return {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(llama_dir, tmp_path_factory):
+    data = tmp_path_factory.mktemp("data")
+    write_jsonl(data / "train.jsonl", CHAT_ROWS[:11])  # 6 micro-batches / epoch: 3 windows, the last short
+    trainer = Trainer(config(llama_dir, data, tmp_path_factory.mktemp("full") / "run"))
+    trainer.train()
+    return data, weights(trainer.model), trainer.optimizer.state["step"].item()
+
+
+def stop_after(trainer, micro_batches):
+    original, count = trainer._micro_step, [0]
+
+    def counting(batches):
+        original(batches)
+        count[0] += 1
+        if count[0] == micro_batches:
+            trainer.stop.request(signal.SIGTERM)
+
+    trainer._micro_step = counting
+
+
+@pytest.mark.parametrize("interrupt_at", [1, 3, 4, 6, 9])  # inside windows, on boundaries, across epochs
+def test_interrupt_and_resume_equals_uninterrupted(llama_dir, uninterrupted, tmp_path, interrupt_at):
+    data, expected, expected_steps = uninterrupted
+    out = tmp_path / "run"
+    first = Trainer(config(llama_dir, data, out))
+    stop_after(first, interrupt_at)
+    with pytest.raises(TrainingStopped) as stopped:
+        first.train()
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert stopped.value.checkpoint.name.endswith("-emergency")
+    assert (out / "latest").resolve() == stopped.value.checkpoint.resolve()
+    window_file = stopped.value.checkpoint / "window.safetensors"
+    assert window_file.exists() == (interrupt_at % 2 == 1 and interrupt_at % 6 != 0)
+
+    resumed = Trainer(config(llama_dir, data, out, resume="latest"))
+    assert resumed.step_count == first.step_count and resumed.batch_index == first.batch_index % 6
+    resumed.train()
+    assert resumed.optimizer.state["step"].item() == expected_steps
+    got = weights(resumed.model)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_resume_refuses_other_settings(llama_dir, uninterrupted, tmp_path):
+    data = uninterrupted[0]
+    out = tmp_path / "run"
+    first = Trainer(config(llama_dir, data, out, max_steps=2))
+    first.train()
+    other_rank = config(llama_dir, data, out, resume="latest", max_steps=4)
+    other_rank.adapter.rank = 4
+    with pytest.raises(UserError, match=r"adapter.rank is 4 but the checkpoint was trained with 8"):
+        Trainer(other_rank)
+    longer = config(llama_dir, data, out, resume="latest", max_steps=4)
+    longer.data.max_seq_length = 512
+    with pytest.raises(UserError, match=r"data.max_seq_length is 512 but .* 2048 \(pass --force"):
+        Trainer(longer)
+    longer.train.force = True
+    assert Trainer(longer).step_count == 2
+
+
+def test_retention_keeps_the_newest_and_never_final_or_emergency(tmp_path):
+    for name in ("checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8", "checkpoint-3-emergency", "final"):
+        (tmp_path / name).mkdir()
+    os.symlink("checkpoint-8", tmp_path / "latest")
+    checkpoint.prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3-emergency", "checkpoint-6", "checkpoint-8", "final", "latest"]
+
+
+def test_non_finite_streak_stops_with_an_emergency_checkpoint(llama_dir, uninterrupted, tmp_path):
+    cfg = config(llama_dir, uninterrupted[0], tmp_path / "run")
+    cfg.optim.max_nonfinite_steps = 2
+    trainer = Trainer(cfg)
+    original = trainer.step
+
+    def poisoned(batch, window, update, scale):
+        result, window = original(batch, window, update, scale)
+        if update:
+            result.applied = mx.array(False)
+        return result, window
+
+    poisoned.state = original.state
+    trainer.step = poisoned
+    with pytest.raises(TrainingStopped, match="not finite for 2 steps in a row") as stopped:
+        trainer.train()
+    assert stopped.value.exit_code == 1 and stopped.value.checkpoint.exists()
+    assert trainer.skipped_steps == 2
+
+
+def test_loss_scaler_backs_off_grows_and_is_checkpointed(llama_dir, uninterrupted, tmp_path):
+    scaler = LossScaler(enabled=True, scale=1024.0, growth_interval=2)
+    scaler.update(False)
+    assert scaler.scale == 512.0
+    scaler.update(True), scaler.update(True)
+    assert scaler.scale == 1024.0 and scaler.array.item() == 1024.0
+    assert LossScaler(enabled=False).scale == 1.0
+
+    cfg = config(llama_dir, uninterrupted[0], tmp_path / "run", max_steps=2)
+    cfg.model.dtype = "float16"
+    trainer = Trainer(cfg)
+    assert trainer.scaler.enabled
+    trainer.train()
+    state = json.loads((tmp_path / "run" / "final" / "trainer_state.json").read_text())
+    assert state["loss_scaler"]["enabled"] and state["loss_scaler"]["scale"] > 1
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_adapter_files_load_in_any_float_dtype(llama_dir, uninterrupted, tmp_path, dtype):
+    trainer = Trainer(config(llama_dir, uninterrupted[0], tmp_path / "run", max_steps=1))
+    saved = {k: v.astype(dtype) for k, v in tree_flatten(trainer.model.trainable_parameters())}
+    path = tmp_path / "a.safetensors"
+    mx.save_safetensors(str(path), saved)
+    fresh = Trainer(config(llama_dir, uninterrupted[0], tmp_path / "run2", max_steps=1, seed=5))
+    loaded, _ = checkpoint.load_adapter_weights(path)
+    checkpoint.apply_adapter_weights(fresh.model, loaded, str(path))
+    for k, v in tree_flatten(fresh.model.trainable_parameters()):
+        assert v.dtype == mx.float32
+        np.testing.assert_array_equal(np.array(v), np.array(saved[k].astype(mx.float32)))
+
+
+def test_mismatched_adapter_changes_nothing(llama_dir, uninterrupted, tmp_path):
+    trainer = Trainer(config(llama_dir, uninterrupted[0], tmp_path / "run", max_steps=1))
+    before = weights(trainer.model)
+    good = dict(tree_flatten(trainer.model.trainable_parameters()))
+    names = sorted(good)
+    bad = {k: mx.ones(v.shape) for k, v in good.items()}
+    bad[names[-1]] = mx.ones((3, 3))  # one wrong shape, after many good tensors
+    with pytest.raises(UserError, match=rf"tensor {names[-1]} has shape \(3, 3\)"):
+        checkpoint.apply_adapter_weights(trainer.model, bad, "other.safetensors")
+    del bad[names[-1]]
+    with pytest.raises(UserError, match="no tensor for parameter"):
+        checkpoint.apply_adapter_weights(trainer.model, bad, "other.safetensors")
+    after = weights(trainer.model)
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+
+
+def test_full_disk_during_a_save_keeps_earlier_checkpoints(llama_dir, uninterrupted, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    trainer = Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2, save_every=0))
+    trainer.train()
+    snapshot = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mx, "save_safetensors", disk_full)
+    with pytest.raises(UserError, match="No space left on device"):
+        trainer.save_checkpoint("step")
+    with pytest.raises(UserError, match="No space left on device"):
+        trainer.save()
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def cli(*args, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "mlxft.train", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kwargs)
+
+
+def long_run_args(llama_dir, data, out):
+    return ["--model", llama_dir, "--data", data, "--output-dir", out, "--batch-size", 2, "--epochs", 200,
+            "--save-every", 1, "--keep-checkpoints", 2, "--log-every", 1]
+
+
+def wait_for(proc, text, timeout=120):
+    deadline = time.time() + timeout
+    for line in proc.stdout:
+        if text in line:
+            return
+        if time.time() > deadline:
+            break
+    raise AssertionError(f"never saw {text!r}")
+
+
+def test_sigterm_saves_an_emergency_checkpoint_and_resume_finishes(llama_dir, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    proc = cli(*long_run_args(llama_dir, uninterrupted[0], out))
+    wait_for(proc, "step 3/")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err and "--resume latest" in err
+    latest = (out / "latest").resolve()
+    assert latest.name.endswith("-emergency")
+    state = json.loads((latest / "trainer_state.json").read_text())
+    args = long_run_args(llama_dir, uninterrupted[0], out) + ["--resume", "latest", "--max-steps", state["step"] + 2]
+    resumed = subprocess.run([sys.executable, "-m", "mlxft.train", *map(str, args)],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {latest}" in resumed.stdout
+    assert json.loads((out / "training_state.json").read_text())["step"] == state["step"] + 2
+
+
+def test_sigkill_during_saves_leaves_a_loadable_checkpoint(llama_dir, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    for delay in (0.0, 0.13, 0.31):
+        proc = cli(*long_run_args(llama_dir, uninterrupted[0], out), *(["--resume", "latest"] if (out / "latest").exists() else []))
+        wait_for(proc, "checkpoint ")
+        time.sleep(delay)
+        proc.kill()
+        proc.communicate(timeout=60)
+        for path in [p for p in out.iterdir() if p.name.startswith("checkpoint-")] + [out / "latest"]:
+            checkpoint.load_checkpoint(path.resolve())  # every visible checkpoint is complete
+        json.loads((out / "training_state.json").read_text())
+    assert (out / "latest").resolve().exists()
+
+
+def test_corrupt_checkpoint_and_model_are_one_line_errors(llama_dir, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2)).train()
+    adapters = out / "final" / "adapters.safetensors"
+    adapters.write_bytes(adapters.read_bytes()[: adapters.stat().st_size // 2])
+    snapshot = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = subprocess.run([sys.executable, "-m", "mlxft.train", "--model", llama_dir, "--data", uninterrupted[0],
+                           "--output-dir", out, "--resume", out / "final"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "may be truncated" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
+
+    broken = tmp_path / "model"
+    broken.mkdir()
+    for f in Path(llama_dir).iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights_file = broken / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:1000])
+    proc = subprocess.run([sys.executable, "-m", "mlxft.train", "--model", broken, "--data", uninterrupted[0],
+                           "--output-dir", tmp_path / "new"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "cannot load model" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt": "a", "completion": "b"}\n{"prompt": \n', "line 2: invalid JSON"),
+        ('{"prompt": "a"}\n', "line 1: missing field 'completion'"),
+        ('{"prompt": 3, "completion": "b"}\n', "line 1: field 'prompt' must be a string"),
+        ("", "holds no rows"),
+        ('{"messages": [{"role": "user", "content": "only a question"}]}\n', "no row has a supervised token"),
+    ],
+)
+def test_bad_data_leaves_an_existing_run_byte_identical(llama_dir, uninterrupted, tmp_path, content, message):
+    out = tmp_path / "run"
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=1)).train()
+    snapshot = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    bad = tmp_path / "bad" / "train.jsonl"
+    bad.parent.mkdir()
+    bad.write_text(content)
+    for extra in (["--overwrite"], ["--resume", "latest"]):
+        proc = subprocess.run([sys.executable, "-m", "mlxft.train", "--model", llama_dir, "--data", bad.parent,
+                               "--output-dir", out, *extra], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+        assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
+
+
+def test_a_second_signal_exits_at_once():
+    code = (
+        "import os, signal, time\n"
+        "from mlxft.signals import StopRequests\n"
+        "with StopRequests() as stop:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.2)\n"
+        "    assert stop.requested and stop.name == 'SIGINT'\n"
+        "    print('first signal recorded', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+        "    print('still running')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "first signal recorded" in proc.stdout and "still running" not in proc.stdout
