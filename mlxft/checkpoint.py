@@ -79,7 +79,7 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def adapter_metadata(fine_tune_type: str, rank: int, alpha: float, dropout: float, targets: list[str],
-                     num_layers: int, model_type: str) -> dict[str, str]:
+                     num_layers: int, model_type: str, base_model: str = "") -> dict[str, str]:
     """The safetensors header entries (strings only) that describe an adapter file."""
     return {
         "format": FORMAT,
@@ -91,6 +91,7 @@ def adapter_metadata(fine_tune_type: str, rank: int, alpha: float, dropout: floa
         "target_modules": json.dumps(targets),
         "num_layers": str(num_layers),
         "model_type": model_type,
+        "base_model": base_model,
     }
 
 
@@ -104,8 +105,11 @@ def save_adapters(path: Path, model: nn.Module, metadata: dict[str, str]) -> Non
 
 
 def mlx_lm_adapter_config(metadata: dict[str, str]) -> dict:
-    """``adapter_config.json`` in the shape mlx-lm's ``load_adapters`` reads."""
+    """``adapter_config.json`` in the shape mlx-lm's ``load_adapters`` reads (it ignores the
+    extra keys, which mlxft uses to find the base model and the LoRA alpha)."""
     config = {
+        "base_model": metadata.get("base_model", ""),
+        "alpha": float(metadata["alpha"]),
         "fine_tune_type": metadata["fine_tune_type"],
         "num_layers": int(metadata["num_layers"]),
         "lora_parameters": {
@@ -131,6 +135,22 @@ def save_run(run_dir: Path, model: nn.Module, metadata: dict[str, str], config: 
     write_json(run_dir / ADAPTER_CONFIG, mlx_lm_adapter_config(metadata))
     write_text(run_dir / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False))
     write_json(run_dir / STATE_FILE, state)
+
+
+def save_tokenizer(run_dir: Path, tokenizer) -> None:
+    """Write the tokenizer's files (tokenizer.json, config, chat template) into the run
+    directory, each renamed into place, so generation needs only the run and the base."""
+    run_dir = Path(run_dir)
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    with tempfile.TemporaryDirectory(prefix=".tokenizer.", dir=run_dir) as tmp:
+        try:
+            hf.save_pretrained(tmp)
+            for path in Path(tmp).iterdir():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+                os.replace(path, run_dir / path.name)
+        except OSError as err:
+            raise UserError(f"cannot write the tokenizer into {run_dir}: {err.strerror or err}") from err
 
 
 def append_metrics(run_dir: Path, record: dict) -> None:

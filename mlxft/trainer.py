@@ -253,7 +253,7 @@ class Trainer:
         a = self.config.adapter
         layers = len(lora.selected_layers(self.model, a.num_layers))
         return checkpoint.adapter_metadata(a.finetune, a.rank, a.alpha, a.dropout, self.targets, layers,
-                                           models.family(self.model))
+                                           models.family(self.model), self.config.model.model)
 
     def training_state(self) -> dict:
         c = self.config
@@ -322,6 +322,8 @@ class Trainer:
         return forced
 
     def save(self) -> None:
+        if self.tokenizer is not None and not (self.run_dir / "tokenizer_config.json").exists():
+            checkpoint.save_tokenizer(self.run_dir, self.tokenizer)
         checkpoint.save_run(self.run_dir, self.model, self.adapter_metadata(), self.config.to_dict(), self.training_state())
         self.reporter.info(f"saved {self.run_dir} at step {self.step_count}")
 
