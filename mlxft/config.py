@@ -109,7 +109,7 @@ class TrainConfig:
     overwrite: bool = _opt(False, "Allow writing into an output directory that holds another run.")
     epochs: int = _opt(1, "Passes over the training data (ignored when --max-steps is set).")
     max_steps: int = _opt(0, "Stop after this many optimizer steps; 0 = train by --epochs.")
-    batch_size: int = _opt(4, "Rows per micro-batch.")
+    batch_size: int = _opt(4, "Rows per micro-batch, over all data-parallel ranks together.")
     grad_accum_steps: int = _opt(1, "Micro-batches per optimizer step (token-weighted).")
     seed: int = _opt(0, "Seed for data order, adapter init and dropout.")
     eval_every: int = _opt(0, "Validate every N optimizer steps (and always at the end); 0 = end only.")
@@ -123,6 +123,13 @@ class TrainConfig:
         3, "Keep the newest N checkpoint-<step> directories; final and emergency ones are never deleted. 0 = keep all."
     )
     resume: str = _opt("", "Continue from a checkpoint directory, or 'latest' (the newest in --output-dir).")
+    backend: str = _opt(
+        "auto", "Distributed backend under mlx.launch; auto = the one the launcher set up, none = one process.",
+        ("auto", "none", "ring", "mpi", "jaccl", "nccl"),
+    )
+    dist_timeout: float = _opt(
+        600.0, "Seconds a rank may wait for its peers (start-up, or no progress) before exiting with an error."
+    )
     force: bool = _opt(False, "Resume even when harmless settings differ from the checkpoint's (model name, "
                               "sequence length, alpha, dropout, seed, batch size, accumulation).")
 
@@ -292,3 +299,4 @@ def validate(config: RunConfig) -> None:
         need(getattr(t, name) >= 0, f"train.{name}", "must be >= 0")
     need(t.log_every >= 1, "train.log_every", "must be >= 1")
     need(bool(t.output_dir), "train.output_dir", "must name a directory")
+    need(t.dist_timeout > 0, "train.dist_timeout", "must be > 0 seconds")

@@ -312,8 +312,10 @@ class Batch:
 
 
 def make_batch(examples: list[Example], batch_size: int, bucket: int) -> Batch:
-    """Pad ``examples`` (at most ``batch_size``) to ``[batch_size, T]`` with T a bucket multiple."""
-    width = round_up(max(len(e.ids) for e in examples) - 1, bucket)
+    """Pad ``examples`` (at most ``batch_size``) to ``[batch_size, T]`` with T a bucket multiple.
+
+    No examples (a data-parallel rank's share of a short last batch) gives an all-padding batch."""
+    width = round_up(max((len(e.ids) for e in examples), default=1) - 1, bucket)
     inputs = np.zeros((batch_size, width), dtype=np.int32)
     positions, targets = [], []
     real = 0
@@ -324,8 +326,8 @@ def make_batch(examples: list[Example], batch_size: int, bucket: int) -> Batch:
         supervised = np.nonzero(e.mask[1:])[0]
         positions.append(row * width + supervised)
         targets.append(e.ids[1:][supervised])
-    positions = np.concatenate(positions).astype(np.int32)
-    targets = np.concatenate(targets).astype(np.int32)
+    positions = np.concatenate(positions or [np.zeros(0)]).astype(np.int32)
+    targets = np.concatenate(targets or [np.zeros(0)]).astype(np.int32)
     count = round_up(len(positions), bucket)
     pad = count - len(positions)
     weights = np.concatenate([np.ones(len(positions), np.float32), np.zeros(pad, np.float32)])

@@ -23,7 +23,10 @@ def learning_rate_at(step, config: OptimConfig, total_steps: int):
     minimum = mx.minimum if is_array else min
     maximum = mx.maximum if is_array else max
     cos = mx.cos if is_array else math.cos
-    warm = peak * minimum(step / warmup, 1.0) if warmup > 0 else peak
+    if warmup > 0:
+        warm = peak * minimum(step / warmup, 1.0)
+    else:  # an array in, an array out: the optimizer casts the rate with .astype
+        warm = mx.full(step.shape, peak) if is_array else peak
     if config.schedule == "constant":
         return warm
     span = max(total_steps - warmup, 1)

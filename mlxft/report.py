@@ -13,7 +13,8 @@ from mlxft.checkpoint import append_metrics
 
 
 class Reporter:
-    def __init__(self, run_dir: Path, total_steps: int, stream=None):
+    def __init__(self, run_dir: Path, total_steps: int, stream=None, enabled: bool = True):
+        self.enabled = enabled  # False on data-parallel ranks other than 0
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
@@ -25,6 +26,8 @@ class Reporter:
         self.last_train_loss: float | None = None
 
     def _print(self, line: str) -> None:
+        if not self.enabled:
+            return
         if self.live:
             self.stream.write("\r\033[K")
         self.stream.write(line + "\n")
@@ -38,7 +41,7 @@ class Reporter:
         self._loss_sum += loss_sum
         self._tokens += tokens
         self._real_tokens += real_tokens
-        if self.live:
+        if self.live and self.enabled:
             loss = self._loss_sum / max(self._tokens, 1)
             self.stream.write(f"\r\033[K[{step}/{self.total_steps}] {self._bar(step)} loss {loss:.4f}")
             self.stream.flush()
@@ -68,7 +71,7 @@ class Reporter:
             f"peak {record['peak_memory_gb']:.2f} GB"
             + (f" | skipped {skipped}" if skipped else "")
         )
-        append_metrics(self.run_dir, record)
+        self._record(record)
         self.last_train_loss = loss
         self._loss_sum, self._tokens, self._real_tokens = 0.0, 0, 0
         self._window_start = time.perf_counter()
@@ -79,14 +82,18 @@ class Reporter:
 
         record = {"type": "eval", "step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": tokens}
         self._print(f"step {step}/{self.total_steps} | val loss {loss:.4f} | val ppl {record['val_ppl']:.3f}")
-        append_metrics(self.run_dir, record)
+        self._record(record)
         return record
 
     def exact_match(self, step: int, score: float, rows: int, when: str) -> dict:
         record = {"type": "exact_match", "step": step, "exact_match": score, "rows": rows}
         self._print(f"exact-match {when}: {score:.1%} of {rows} held-out rows")
-        append_metrics(self.run_dir, record)
+        self._record(record)
         return record
+
+    def _record(self, record: dict) -> None:
+        if self.enabled:
+            append_metrics(self.run_dir, record)
 
     def pause_clock(self, seconds: float) -> None:
         """Exclude time spent outside training (evaluation, saving) from throughput."""

@@ -75,10 +75,9 @@ def build_step(
             loss_sum, tokens = loss_sum + prev_loss, tokens + prev_tokens
         if not update:
             return loss_sum, tokens, grads, None, None
-        total = tokens
-        if reduce is not None:
-            grads, total = reduce((grads, tokens))
-        grads = tree_map(lambda g: g / (mx.maximum(total, 1) * loss_scale), grads)
+        if reduce is not None:  # data-parallel: the window's sums over every rank
+            grads, loss_sum, tokens = reduce((grads, loss_sum, tokens))
+        grads = tree_map(lambda g: g / (mx.maximum(tokens, 1) * loss_scale), grads)
         grads, norm = optim.clip_grad_norm(grads, clip_to)
         finite = mx.isfinite(norm)
         old_params = model.trainable_parameters()

@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         config_path = DEFAULT_JOB  # no model, data or config given: the built-in default job
         print(f"no --model/--data/--config given: running the default job ({DEFAULT_JOB.name})")
     config = cfg.resolve(args, config_path)
+    from mlxft.distributed import PeerLost
     from mlxft.trainer import TrainingStopped, fine_tune
 
     try:
@@ -41,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as stop:
         print(f"error: {stop}" if stop.exit_code == 1 else str(stop), file=sys.stderr)
         return stop.exit_code
+    except PeerLost as lost:
+        print(f"error: {lost}", file=sys.stderr)
+        return lost.exit_code
+    if not result.main_process:
+        return 0
     print(f"done: {result.steps} steps, train loss {result.train_loss if result.train_loss is not None else float('nan'):.4f}"
           + (f", val loss {result.val_loss:.4f}" if result.val_loss is not None else "") + f" -> {result.run_dir}")
     return 0

@@ -11,6 +11,7 @@ would. Evaluation, reporting and saving live in their own methods and modules.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -20,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from mlxft import _blas, builtin, checkpoint, data, generation, lora, models
+from mlxft import _blas, builtin, checkpoint, data, distributed, generation, lora, models
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError
 from mlxft.loss import loss_fn
@@ -39,6 +40,7 @@ class TrainResult:
     skipped_steps: int
     exact_match_before: float | None = None
     exact_match_after: float | None = None
+    main_process: bool = True  # False on data-parallel ranks other than 0
 
 
 class TrainingStopped(Exception):
@@ -66,10 +68,15 @@ class Trainer:
     ``model`` and ``tokenizer`` may be passed in (already loaded, frozen) to skip loading.
     """
 
-    def __init__(self, config: RunConfig, model=None, tokenizer=None, reporter: Reporter | None = None):
+    def __init__(self, config: RunConfig, model=None, tokenizer=None, reporter: Reporter | None = None,
+                 world: distributed.World | None = None):
         validate(config)
         self.config = config
         t = config.train
+        self.world = world or distributed.init(t.backend, t.dist_timeout)
+        if t.batch_size % self.world.size:
+            raise UserError(f"config field train.batch_size: {t.batch_size} rows cannot be split evenly over "
+                            f"{self.world.size} ranks; use a multiple of {self.world.size}")
         self.run_dir = Path(t.output_dir)
         resume_from = checkpoint.resolve_checkpoint(t.resume, self.run_dir) if t.resume else None
         check_output_dir(self.run_dir, t.overwrite, resume_from)
@@ -83,6 +90,7 @@ class Trainer:
             )
         self.model, self.tokenizer = model, tokenizer
         self.targets = lora.apply(model, config.adapter, t.seed)
+        self.world.heartbeat()
 
         load = partial(data.load_dataset, tokenizer=tokenizer, max_seq_length=config.data.max_seq_length,
                        completion_only=config.data.completion_only, prompt_format=config.data.prompt_format)
@@ -104,11 +112,12 @@ class Trainer:
         self.stop = StopRequests()
         forced = self._restore(resume_from) if resume_from else []
         self.step = build_step(model, self.optimizer, partial(loss_fn, label_smoothing=config.optim.label_smoothing),
-                               config.optim.max_grad_norm)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_from is None:
-            (self.run_dir / checkpoint.METRICS_FILE).write_text("")
-        self.reporter = reporter or Reporter(self.run_dir, self.total_steps)
+                               config.optim.max_grad_norm, reduce=self.world.all_sum if self.world.size > 1 else None)
+        if self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if resume_from is None:
+                (self.run_dir / checkpoint.METRICS_FILE).write_text("")
+        self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
         self._describe()
         if resume_from:
             self.reporter.info(f"resumed from {resume_from} at step {self.step_count} (epoch {self.epoch + 1}, "
@@ -126,14 +135,26 @@ class Trainer:
         info(f"trainable parameters: {trainable:,} / {total:,} ({100 * trainable / max(total, 1):.3f}%)")
         info(f"data: {len(self.train_set)} train rows ({self.train_set.kind}, {self.train_set.supervised_tokens:,} supervised tokens)"
              + (f", {len(self.valid_set)} valid rows" if self.valid_set else ", no validation set")
-             + f" | {self.total_steps} steps")
+             + f" | {self.total_steps} steps"
+             + (f" | {self.world.size} data-parallel ranks" if self.world.size > 1 else ""))
 
     def batch(self, dataset: data.Dataset, indices) -> data.Batch:
-        rows = [dataset.examples[i] for i in indices]
-        return data.make_batch(rows, self.config.train.batch_size, self.config.data.length_bucket)
+        """This rank's share of the global batch ``indices``, padded to its fixed row count."""
+        rows = [dataset.examples[i] for i in self.world.shard(indices)]
+        per_rank = self.config.train.batch_size // self.world.size
+        return data.make_batch(rows, per_rank, self.config.data.length_bucket)
 
     def train(self) -> TrainResult:
         """Train to the last step; raises :class:`TrainingStopped` after an emergency save."""
+        try:
+            return self._train()
+        except RuntimeError as err:
+            if self.world.size == 1:
+                raise
+            raise distributed.PeerLost(f"rank {self.world.rank}: {str(err).splitlines()[0]}; another rank failed "
+                                       "or became unreachable (see its output)") from err
+
+    def _train(self) -> TrainResult:
         t = self.config.train
         if self.valid_set is not None and self.step_count == 0 and self.batch_index == 0:
             self._evaluate()  # the baseline the validation curve starts from
@@ -142,7 +163,8 @@ class Trainer:
             while self.step_count < self.total_steps:
                 batches = data.epoch_batches(self.train_set.lengths, t.batch_size, t.seed, self.epoch)
                 while self.batch_index < len(batches) and self.step_count < self.total_steps:
-                    if self.stop.requested:
+                    if self.world.any(self.stop.requested):  # every rank stops at the same micro-batch
+                        self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
                         path = self.save_checkpoint("emergency")
                         raise TrainingStopped(f"stopped by {self.stop.name} at step {self.step_count}; saved {path}; "
                                               "continue with --resume latest", 128 + (self.stop.signum or 0), path)
@@ -153,7 +175,8 @@ class Trainer:
             self._evaluate()
         self.save()
         self.save_checkpoint("final")
-        result = TrainResult(self.run_dir, self.step_count, self.reporter.last_train_loss, self.last_val_loss, self.skipped_steps)
+        result = TrainResult(self.run_dir, self.step_count, self.reporter.last_train_loss, self.last_val_loss,
+                             self.skipped_steps, main_process=self.world.is_main)
         if before is not None:
             after = self._exact_match("after training")
             self._show_answers(before, after)
@@ -169,6 +192,7 @@ class Trainer:
         mx.random.seed(int(np.random.SeedSequence([self.config.train.seed, self.epoch, i]).generate_state(1)[0]))
         result, self.window = self.step(batch.arrays(), self.window, update, self.scaler.array)
         mx.eval(self.step.state, result.loss_sum, result.tokens, self.window)
+        self.world.heartbeat()
         self.batch_index += 1
         self.window_real_tokens += batch.real_tokens
         if update:
@@ -178,7 +202,10 @@ class Trainer:
         self.step_count += 1
         applied = bool(result.applied.item())
         self.scaler.update(applied)
-        self.reporter.step(self.step_count, result.loss_sum.item(), int(result.tokens.item()), self.window_real_tokens)
+        real_tokens = self.window_real_tokens
+        if self.world.size > 1:  # loss and supervised tokens come back global from the step
+            real_tokens = int(self.world.all_sum(mx.array(real_tokens)).item())
+        self.reporter.step(self.step_count, result.loss_sum.item(), int(result.tokens.item()), real_tokens)
         self.window_real_tokens = 0
         if not applied:
             self.skipped_steps += 1
@@ -218,7 +245,8 @@ class Trainer:
             tic = time.perf_counter()
             self.save()
             self.save_checkpoint("step")
-            checkpoint.prune_checkpoints(self.run_dir, t.keep_checkpoints)
+            if self.world.is_main:
+                checkpoint.prune_checkpoints(self.run_dir, t.keep_checkpoints)
             self.reporter.pause_clock(time.perf_counter() - tic)
 
     @property
@@ -237,6 +265,8 @@ class Trainer:
             loss, ntokens = loss_fn(self.model, *self.batch(dataset, indices).arrays())
             loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
             mx.eval(loss_sum, tokens)
+            self.world.heartbeat()
+        loss_sum, tokens = self.world.all_sum((loss_sum, tokens))
         self.model.train()
         return loss_sum.item() / max(tokens.item(), 1), int(tokens.item())
 
@@ -286,7 +316,11 @@ class Trainer:
         }
 
     def save_checkpoint(self, kind: str) -> Path:
-        """A resumable checkpoint (``step``, ``emergency`` or ``final``) in the run directory."""
+        """A resumable checkpoint (``step``, ``emergency`` or ``final``) in the run directory.
+
+        Only rank 0 writes; the others return the path it writes to."""
+        if not self.world.is_main:
+            return self.run_dir / checkpoint.checkpoint_name(self.step_count, kind)
         optimizer_state = dict(tree_flatten(self.optimizer.state))
         window = None
         if self.window is not None:
@@ -322,6 +356,8 @@ class Trainer:
         return forced
 
     def save(self) -> None:
+        if not self.world.is_main:
+            return
         if self.tokenizer is not None and not (self.run_dir / "tokenizer_config.json").exists():
             checkpoint.save_tokenizer(self.run_dir, self.tokenizer)
         checkpoint.save_run(self.run_dir, self.model, self.adapter_metadata(), self.config.to_dict(), self.training_state())
@@ -330,4 +366,8 @@ class Trainer:
 
 def fine_tune(config: RunConfig, model=None, tokenizer=None) -> TrainResult:
     """Run a whole training job from a config; the Python API's one call."""
-    return Trainer(config, model, tokenizer).train()
+    trainer = Trainer(config, model, tokenizer)
+    try:
+        return trainer.train()
+    finally:
+        trainer.world.close()

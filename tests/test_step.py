@@ -124,6 +124,9 @@ def test_schedule_values():
     assert [learning_rate_at(k, constant, 50) for k in (1, 4, 50)] == pytest.approx([5e-5, 2e-4, 2e-4])
     for k in (1, 7, 10, 11, 60, 100):  # the traced version agrees with the Python one
         assert learning_rate_at(mx.array(k), cfg, 100).item() == pytest.approx(learning_rate_at(k, cfg, 100), rel=1e-5)
+    flat = OptimConfig(learning_rate=3e-4, warmup_steps=0, schedule="constant")
+    assert isinstance(learning_rate_at(mx.array(5), flat, 10), mx.array)
+    assert learning_rate_at(mx.array(5), flat, 10).item() == pytest.approx(3e-4)
 
 
 def test_optimizer_step_k_uses_rate_k():

@@ -1,0 +1,163 @@
+"""Data-parallel training on MLX's own distributed engine (``mx.distributed``, ``mlx.launch``).
+
+Each rank reads a disjoint, strided shard of every global batch; gradients, losses and
+supervised-token counts are summed across ranks inside the compiled step, so an update
+equals one process training on the whole global batch. Only rank 0 writes files.
+
+MLX's collectives block forever when a peer is gone, and ``mlx.launch`` exits 0 even when a
+rank fails. So the backend is initialised explicitly (``strict``), and a watchdog process
+ends a rank with a clear message (and a non-zero exit) when start-up or training makes no
+progress for ``timeout`` seconds: a peer crashed or cannot be reached.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import mlx.core as mx
+
+from mlxft.errors import UserError
+
+# Environment variables each backend's launcher sets, in order of precedence.
+_LAUNCH_ENV = (
+    ("jaccl", ("MLX_IBV_DEVICES", "MLX_JACCL_COORDINATOR")),
+    ("nccl", ("NCCL_HOST_IP",)),
+    ("ring", ("MLX_HOSTFILE",)),
+    ("mpi", ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")),
+)
+
+
+
+def detect_backend(choice: str) -> str:
+    """The backend to start: the configured one, or what the launcher's environment implies."""
+    if choice != "auto":
+        return choice
+    for backend, names in _LAUNCH_ENV:
+        if any(os.environ.get(n) for n in names):
+            return backend
+    return "none"
+
+
+class PeerLost(Exception):
+    """A collective failed because another rank went away (crashed, killed, unreachable)."""
+
+    exit_code = 3
+
+
+class World:
+    """The process group this run trains in (a single process when not launched)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank = group.rank() if group is not None else 0
+        self.size = group.size() if group is not None else 1
+        self._watchdog: _Watchdog | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_sum(self, tree):
+        """Sum a tree of arrays over ranks (inside or outside a compiled function)."""
+        if self.size == 1:
+            return tree
+        from mlx.utils import tree_map
+
+        return tree_map(lambda x: mx.distributed.all_sum(x, group=self.group), tree)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is True on any rank (e.g. a stop request)."""
+        if self.size == 1:
+            return flag
+        total = mx.distributed.all_sum(mx.array(1.0 if flag else 0.0), group=self.group)
+        return bool(total.item() > 0)
+
+    def shard(self, indices):
+        """This rank's rows of a global batch: strided, so lengths stay balanced."""
+        return indices[self.rank :: self.size]
+
+    def heartbeat(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.beat()
+
+    def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+
+
+_WATCHDOG = r"""
+import os, select, signal, sys
+fd, timeout, parent = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+messages = {b"i": sys.argv[4], b"p": sys.argv[5]}
+phase = b"i"
+while True:
+    ready, _, _ = select.select([fd], [], [], timeout)
+    if not ready:
+        sys.stderr.write(messages[phase] + "\n")
+        sys.stderr.flush()
+        os.kill(parent, signal.SIGKILL)
+        break
+    data = os.read(fd, 4096)
+    if not data:  # the parent closed the pipe: it finished or died
+        break
+    if b"p" in data:
+        phase = b"p"
+"""
+
+
+class _Watchdog:
+    """A separate process that kills this one when no heartbeat arrives for ``timeout`` s.
+
+    A thread cannot do this: MLX's blocking collectives and ``init`` may hold the GIL.
+    """
+
+    def __init__(self, rank: int, backend: str, timeout: float):
+        import subprocess
+
+        read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        starting = (f"error: rank {rank}: the '{backend}' backend could not reach its peers within {timeout:.0f} s "
+                    "(check the hostfile, addresses and that every rank was started)")
+        stalled = (f"error: rank {rank}: no progress for {timeout:.0f} s; another rank has probably failed or "
+                   "cannot be reached (see its output); stopping")
+        self._proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(read), str(timeout), str(os.getpid()),
+                                       starting, stalled], pass_fds=(read,))
+        os.close(read)
+
+    def _send(self, byte: bytes) -> None:
+        try:
+            os.write(self._write, byte)
+        except (BlockingIOError, BrokenPipeError):
+            pass
+
+    def started(self) -> None:
+        self._send(b"p")
+
+    def beat(self) -> None:
+        self._send(b".")
+
+    def stop(self) -> None:
+        os.close(self._write)
+        self._proc.wait(timeout=10)
+
+
+def init(backend: str = "auto", timeout: float = 600.0) -> World:
+    """Start the distributed backend (strictly, under a deadline) or return a 1-process world."""
+    backend = detect_backend(backend)
+    if backend == "none":
+        return World()
+    if not mx.distributed.is_available(backend):
+        raise UserError(f"the '{backend}' distributed backend is not available in this MLX build; "
+                        "choose another with --backend or launch without mlx.launch")
+    watchdog = _Watchdog(int(os.environ.get("MLX_RANK", "0")), backend, timeout)
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except Exception as err:  # MLX raises RuntimeError subclasses with the reason
+        watchdog.stop()
+        raise UserError(f"cannot start the '{backend}' distributed backend: {str(err).splitlines()[0]}") from err
+    watchdog.started()
+    world = World(group)
+    world._watchdog = watchdog
+    return world

@@ -1,0 +1,139 @@
+"""Data-parallel training over MLX's ring backend on loopback, against one process."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from conftest import write_jsonl
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def train_args(model, data, out, *extra):
+    return ["-m", "mlxft.train", "--model", model, "--data", data, "--output-dir", out, "--optimizer", "sgd",
+            "--learning-rate", "0.2", "--schedule", "constant", "--max-grad-norm", "0", "--batch-size", 4,
+            "--log-every", 1, *extra]
+
+
+def launch(tmp_path, args, ranks=2, timeout=240, start=None, on_line=None):
+    """Start ``ranks`` processes as mlx.launch would for the ring backend; return their results."""
+    hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(ranks)]))
+    procs = []
+    for rank in (start if start is not None else range(ranks)):
+        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "PYTHONUNBUFFERED": "1"}
+        procs.append(subprocess.Popen([sys.executable, *map(str, args)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        if on_line is not None:
+            on_line(procs)
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out, err))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def adapters(run_dir):
+    return {k: np.array(v) for k, v in mx.load(str(run_dir / "adapters.safetensors")).items()}
+
+
+@pytest.fixture(scope="module")
+def uneven_data(tmp_path_factory):
+    """Rows of very different supervised lengths: 13 rows, so the last global batch is short."""
+    rows = [{"prompt": f"Q{i}: " + "word " * (i % 5), "completion": "answer " * (1 + (i * 7) % 11)} for i in range(13)]
+    directory = tmp_path_factory.mktemp("data")
+    write_jsonl(directory / "train.jsonl", rows)
+    write_jsonl(directory / "valid.jsonl", rows[:5])
+    return directory
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_two_ranks_equal_one_process(llama_dir, uneven_data, tmp_path, accum):
+    single = tmp_path / "single"
+    base = ["--epochs", 2, "--grad-accum-steps", accum, "--eval-every", 2]
+    proc = subprocess.run([sys.executable, *map(str, train_args(llama_dir, uneven_data, single, *base, "--backend", "none"))],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    multi = tmp_path / "multi"
+    results = launch(tmp_path, train_args(llama_dir, uneven_data, multi, *base))
+    assert [r[0] for r in results] == [0, 0], [r[2][-800:] for r in results]
+    assert "2 data-parallel ranks" in results[0][1] and results[1][1] == ""  # only rank 0 reports
+    expected, got = adapters(single), adapters(multi)
+    for name in expected:  # equal up to float32 sums taken in another order (other padded shapes)
+        rel = np.linalg.norm(got[name] - expected[name]) / np.linalg.norm(expected[name])
+        assert rel < 1e-4, (name, rel)
+    one = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (multi / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(one, two):  # the logged losses are global
+        assert a["type"] == b["type"] and a["step"] == b["step"]
+        key = "loss" if a["type"] == "train" else "val_loss"
+        assert b[key] == pytest.approx(a[key], rel=1e-4)
+
+
+def test_interrupted_distributed_run_resumes_exactly(llama_dir, uneven_data, tmp_path):
+    full = tmp_path / "full"
+    base = ["--epochs", 2, "--grad-accum-steps", 2]
+    results = launch(tmp_path, train_args(llama_dir, uneven_data, full, *base))
+    assert [r[0] for r in results] == [0, 0]
+
+    part = tmp_path / "part"
+
+    def interrupt_rank_1(procs):
+        for line in procs[0].stdout:
+            if "step 2/" in line:
+                procs[1].send_signal(signal.SIGTERM)  # only one rank is signalled; both must stop
+                break
+
+    results = launch(tmp_path, train_args(llama_dir, uneven_data, part, *base), on_line=interrupt_rank_1)
+    assert [r[0] for r in results] == [128 + signal.SIGTERM] * 2, [r[2][-500:] for r in results]
+    assert (part / "latest").resolve().name.endswith("-emergency")
+    results = launch(tmp_path, train_args(llama_dir, uneven_data, part, *base, "--resume", "latest"))
+    assert [r[0] for r in results] == [0, 0], [r[2][-500:] for r in results]
+    expected, got = adapters(full), adapters(part)
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_missing_peer_fails_within_the_timeout(llama_dir, uneven_data, tmp_path):
+    tic = time.monotonic()
+    results = launch(tmp_path, train_args(llama_dir, uneven_data, tmp_path / "run", "--dist-timeout", 4), start=[0],
+                     timeout=120)
+    code, _, err = results[0]
+    assert code != 0 and "could not reach its peers within 4 s" in err
+    assert time.monotonic() - tic < 60
+
+
+def test_a_dead_rank_stops_the_other(llama_dir, uneven_data, tmp_path):
+    def kill_rank_1(procs):
+        for line in procs[0].stdout:
+            if "step 1/" in line:
+                procs[1].kill()
+                break
+
+    results = launch(tmp_path, train_args(llama_dir, uneven_data, tmp_path / "run", "--epochs", 50, "--dist-timeout", 6),
+                     on_line=kill_rank_1, timeout=120)
+    code, _, err = results[0]
+    # Either the ring notices the closed socket, or the watchdog notices the silence.
+    assert code != 0 and ("another rank failed" in err or "no progress for 6 s" in err) and "Traceback" not in err
