@@ -43,6 +43,9 @@ class ModelConfig:
     )
     quantize: int = _opt(0, "Quantize the base to this many bits on load (QLoRA); 0 keeps it.", (0, 4, 8))
     quantize_group_size: int = _opt(64, "Group size for --quantize.", (32, 64, 128))
+    grad_checkpoint: bool = _opt(
+        False, "Recompute each layer's activations during the backward pass: less memory, ~1/3 more compute."
+    )
 
 
 @dataclass

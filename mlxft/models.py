@@ -122,3 +122,26 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 def family(model: nn.Module) -> str:
     """The model_type mlx-lm reports (``llama``, ``lfm2``, ...)."""
     return str(getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1]))
+
+
+def checkpoint_layers(model: nn.Module) -> None:
+    """Recompute each transformer layer's activations in the backward pass (less memory).
+
+    Each layer instance gets its own subclass whose ``__call__`` runs under
+    ``mx.checkpoint``; parameter names stay as they are, and other models in the process
+    (which share the layer classes) are unaffected.
+    """
+    for layer in model.layers:
+        cls = type(layer)
+        if getattr(cls, "_mlxft_checkpointed", False):
+            continue
+        plain_call = cls.__call__
+
+        def checkpointed(self, *args, _call=plain_call, **kwargs):
+            def inner(params, *inner_args):
+                self.update(params)
+                return _call(self, *inner_args, **kwargs)
+
+            return mx.checkpoint(inner)(self.trainable_parameters(), *args)
+
+        layer.__class__ = type(cls.__name__, (cls,), {"__call__": checkpointed, "_mlxft_checkpointed": True})

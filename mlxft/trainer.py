@@ -65,11 +65,13 @@ def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = 
 class Trainer:
     """One training run from a resolved :class:`RunConfig`.
 
-    ``model`` and ``tokenizer`` may be passed in (already loaded, frozen) to skip loading.
+    ``model`` and ``tokenizer`` may be passed in (already loaded, frozen) to skip loading, and
+    ``datasets`` as ``(train, valid_or_None)`` :class:`mlxft.data.Dataset` objects built in
+    Python (research scripts, benchmarks) instead of JSONL files.
     """
 
     def __init__(self, config: RunConfig, model=None, tokenizer=None, reporter: Reporter | None = None,
-                 world: distributed.World | None = None):
+                 world: distributed.World | None = None, datasets: tuple | None = None):
         validate(config)
         self.config = config
         t = config.train
@@ -80,8 +82,12 @@ class Trainer:
         self.run_dir = Path(t.output_dir)
         resume_from = checkpoint.resolve_checkpoint(t.resume, self.run_dir) if t.resume else None
         check_output_dir(self.run_dir, t.overwrite, resume_from)
-        self.train_file, self.valid_file = data.resolve_files(
-            builtin.resolve(config.data.data), config.data.train_file, config.data.valid_file)
+        if datasets is None:
+            self.train_file, self.valid_file = data.resolve_files(
+                builtin.resolve(config.data.data), config.data.train_file, config.data.valid_file)
+        else:
+            self.train_file = datasets[0].path
+            self.valid_file = datasets[1].path if datasets[1] is not None else None
 
         if model is None:
             model, tokenizer, _, _ = models.load(
@@ -90,12 +96,17 @@ class Trainer:
             )
         self.model, self.tokenizer = model, tokenizer
         self.targets = lora.apply(model, config.adapter, t.seed)
+        if config.model.grad_checkpoint:
+            models.checkpoint_layers(model)
         self.world.heartbeat()
 
         load = partial(data.load_dataset, tokenizer=tokenizer, max_seq_length=config.data.max_seq_length,
                        completion_only=config.data.completion_only, prompt_format=config.data.prompt_format)
-        self.train_set = load(self.train_file)
-        self.valid_set = load(self.valid_file) if self.valid_file else None
+        if datasets is None:
+            self.train_set = load(self.train_file)
+            self.valid_set = load(self.valid_file) if self.valid_file else None
+        else:
+            self.train_set, self.valid_set = datasets
 
         batches_per_epoch = math.ceil(len(self.train_set) / t.batch_size)
         self.steps_per_epoch = math.ceil(batches_per_epoch / t.grad_accum_steps)

@@ -100,3 +100,18 @@ def test_projected_head_equals_full_logits(model_dir, monkeypatch):
     assert loss.item() == pytest.approx(loss_full.item(), rel=1e-5)
     for (k, g), (_, g2) in zip(tree_flatten(grads), tree_flatten(grads_full)):
         np.testing.assert_allclose(np.array(g), np.array(g2), rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_gradient_checkpointing_changes_nothing_but_memory(model_dir):
+    model = _load_lora(model_dir)
+    batch = make_batch(_rows(2), 4, 8).arrays()
+    grad_fn = nn.value_and_grad(model, lambda m, *b: loss_fn(m, *b)[0])
+    loss, grads = grad_fn(model, *batch)
+    models.checkpoint_layers(model)
+    assert type(model.layers[0]).__name__ == type(model.layers[0]).__mro__[1].__name__
+    assert getattr(type(model.layers[0]), "_mlxft_checkpointed")
+    loss2, grads2 = grad_fn(model, *batch)
+    assert loss2.item() == pytest.approx(loss.item(), rel=1e-6)
+    assert [k for k, _ in tree_flatten(grads)] == [k for k, _ in tree_flatten(grads2)]
+    for (k, g), (_, g2) in zip(tree_flatten(grads), tree_flatten(grads2)):
+        np.testing.assert_allclose(np.array(g2), np.array(g), rtol=1e-5, atol=1e-7, err_msg=k)

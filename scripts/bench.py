@@ -1,0 +1,212 @@
+"""mlxft against mlx-lm's own trainer, side by side in one process on the same work.
+
+    python scripts/bench.py --model builtin:smollm2-135m-instruct --workload chat
+    python scripts/bench.py --model config:lfm2-1.2b --dtype bfloat16 --workload chat --fixed-length 512
+
+Both trainers get the same model (fresh copies), the same tokenized rows, LoRA rank 8 on every
+linear of every layer, the same batch size, seed, optimizer (Adam) and number of optimizer
+steps. mlx-lm runs `mlx_lm.tuner.trainer.train` with its compiled step and `default_loss`;
+mlxft runs its `Trainer`. Reported per trainer: supervised tokens/s and real (non-padding)
+tokens/s over the steps after warm-up, peak memory (`mx.get_peak_memory`), the last training
+loss, and the validation loss of the trained adapters under one common loss (mlxft's).
+Workloads: ``chat`` (completion-only SFT, variable lengths, ~45% prompt) and ``text``
+(pretraining: every token supervised). Writes JSON to benchmarks/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlxft  # noqa: F401,E402 - optimized BLAS before MLX on Linux
+import mlx.core as mx  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mlxft import builtin, lora, models  # noqa: E402
+from mlxft.config import AdapterConfig, RunConfig  # noqa: E402
+from mlxft.data import Dataset, Example, epoch_batches, make_batch  # noqa: E402
+from mlxft.loss import loss_fn  # noqa: E402
+
+# Hub configurations of the anchor models (random weights; no download).
+CONFIGS = {
+    "lfm2-1.2b": {
+        "model_type": "lfm2", "vocab_size": 65536, "hidden_size": 2048, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 128000, "norm_eps": 1e-5,
+        "conv_bias": False, "conv_L_cache": 3, "block_dim": 2048, "block_ff_dim": 12288, "block_multiple_of": 256,
+        "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True, "rope_theta": 1000000.0,
+        "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv",
+                        "full_attention", "conv", "full_attention", "conv", "full_attention", "conv",
+                        "full_attention", "conv"],
+    },
+    "llama-3.2-1b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "num_hidden_layers": 16,
+        "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    },
+}
+
+
+def load_model(name: str, dtype: str):
+    if name.startswith("config:"):
+        from mlx_lm.utils import _get_classes
+
+        config = CONFIGS[name.split(":", 1)[1]]
+        model_class, args_class = _get_classes(config)
+        mx.random.seed(0)
+        model = model_class(args_class.from_dict(config))
+        model.set_dtype(models.resolve_dtype(dtype))
+        mx.eval(model.parameters())
+        model.freeze()
+        return model, config["vocab_size"]
+    model, tokenizer, _, _ = models.load(builtin.resolve(name), dtype)
+    return model, model.args.vocab_size
+
+
+def synthetic_rows(n: int, vocab: int, workload: str, max_len: int, fixed: int, seed: int) -> list[Example]:
+    """Token rows with a prompt/completion split (chat) or fully supervised (text)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        length = fixed or int(rng.integers(max_len // 4, max_len + 1))
+        ids = rng.integers(3, min(vocab, 32000), size=length).astype(np.int32)
+        mask = np.ones(length, bool)
+        if workload == "chat":
+            mask[: int(length * (0.45 if not fixed else 0.5))] = False
+        rows.append(Example(ids, mask))
+    return rows
+
+
+def common_val_loss(model, rows: list[Example], batch_size: int) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    lengths = np.array([len(r.ids) for r in rows])
+    for idx in epoch_batches(lengths, batch_size, 0, 0, shuffle=False):
+        loss, n = loss_fn(model, *make_batch([rows[i] for i in idx], batch_size, 32).arrays())
+        total, count = total + loss.item() * n.item(), count + n.item()
+    return total / count
+
+
+def run_mlx_lm(args, rows, val_rows):
+    from mlx_lm.tuner.callbacks import TrainingCallback
+    from mlx_lm.tuner.trainer import TrainingArgs, train
+
+    model, _ = load_model(args.model, args.dtype)
+    lora.apply(model, AdapterConfig(targets=["all"], rank=args.rank, alpha=2.0 * args.rank), seed=0)
+    # mlx-lm's batches: (tokens, offset) with the offset marking where supervision starts.
+    dataset = [(r.ids.tolist(), int(np.argmax(r.mask[1:])) + 1 if not r.mask[1:].all() else 0) for r in rows]
+    reports = []
+
+    class Capture(TrainingCallback):
+        def on_train_loss_report(self, info):
+            reports.append(info)
+
+    mx.reset_peak_memory()
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = TrainingArgs(batch_size=args.batch_size, iters=args.steps, steps_per_report=args.steps - args.warmup,
+                             steps_per_eval=10**9, steps_per_save=10**9, max_seq_length=args.max_len + 1,
+                             adapter_file=str(Path(tmp) / "adapters.safetensors"))
+        tic = time.perf_counter()
+        train(model, optim.Adam(learning_rate=args.lr), dataset, None, args=targs, training_callback=Capture())
+        wall = time.perf_counter() - tic
+    peak = mx.get_peak_memory() / 1e9
+    last = reports[-1]
+    real_per_supervised = sum(len(r.ids) - 1 for r in rows) / sum(r.supervised for r in rows)
+    result = {"trainer": "mlx-lm", "supervised_tokens_per_sec": last["tokens_per_second"],
+              "tokens_per_sec": last["tokens_per_second"] * real_per_supervised, "peak_memory_gb": peak,
+              "train_loss": last["train_loss"], "val_loss": common_val_loss(model, val_rows, args.batch_size),
+              "wall_s": wall}
+    del model
+    return result
+
+
+def run_mlxft(args, rows, val_rows):
+    from mlxft.trainer import Trainer
+
+    model, _ = load_model(args.model, args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = RunConfig.from_dict({
+            "model": {"model": args.model, "grad_checkpoint": args.grad_checkpoint},
+            "data": {"data": "in-memory", "length_bucket": 32, "max_seq_length": args.max_len + 1},
+            "adapter": {"targets": ["all"], "rank": args.rank, "alpha": 2.0 * args.rank},
+            "optim": {"optimizer": "adam", "learning_rate": args.lr, "schedule": "constant", "max_grad_norm": 0.0},
+            "train": {"output_dir": tmp, "batch_size": args.batch_size, "max_steps": args.steps,
+                      "log_every": args.steps - args.warmup, "backend": "none"},
+        })
+        train_set = Dataset(Path("bench-train"), rows, "completion" if args.workload == "chat" else "text")
+        trainer = Trainer(config, model, tokenizer=None, datasets=(train_set, None))
+        mx.reset_peak_memory()
+        tic = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - tic
+        peak = mx.get_peak_memory() / 1e9
+        records = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["type"] == "train"][-1]
+    result = {"trainer": "mlxft", "supervised_tokens_per_sec": last["supervised_tokens_per_sec"],
+              "tokens_per_sec": last["tokens_per_sec"], "peak_memory_gb": peak, "train_loss": last["loss"],
+              "val_loss": common_val_loss(trainer.model, val_rows, args.batch_size), "wall_s": wall}
+    del trainer, model
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct", help="model dir, builtin:..., or config:lfm2-1.2b / config:llama-3.2-1b")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--workload", choices=("chat", "text"), default="chat")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=256, help="longest row (variable lengths down to a quarter)")
+    p.add_argument("--fixed-length", type=int, default=0, help="every row this long (the GPU anchors use 512)")
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=4, help="steps excluded from the throughput figures")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--grad-checkpoint", action="store_true", help="mlxft recomputes layer activations")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if args.fixed_length:
+        args.max_len = args.fixed_length
+    _, vocab = load_model(args.model, args.dtype) if args.model.startswith("config:") else (None, 49152)
+    gc.collect()
+    mx.clear_cache()
+    rows = synthetic_rows(args.rows, vocab, args.workload, args.max_len, args.fixed_length, seed=0)
+    val_rows = synthetic_rows(16, vocab, args.workload, args.max_len, args.fixed_length, seed=1)
+    results = []
+    for run in (run_mlx_lm, run_mlxft):
+        results.append(run(args, rows, val_rows))
+        gc.collect()
+        mx.clear_cache()
+    base, ours = results
+    summary = {
+        "args": vars(args), "device": str(mx.default_device()), "machine": platform.machine(),
+        "mlx": mx.__version__, "results": results,
+        "ratios (mlxft / mlx-lm)": {
+            "supervised_tokens_per_sec": ours["supervised_tokens_per_sec"] / base["supervised_tokens_per_sec"],
+            "tokens_per_sec": ours["tokens_per_sec"] / base["tokens_per_sec"],
+            "peak_memory": ours["peak_memory_gb"] / base["peak_memory_gb"],
+        },
+    }
+    out = Path(args.out or f"benchmarks/bench-{args.model.split(':')[-1].replace('/', '_')}-{args.workload}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"{'trainer':8} {'sup tok/s':>10} {'tok/s':>10} {'peak GB':>8} {'train loss':>10} {'val loss':>9}")
+    for r in results:
+        print(f"{r['trainer']:8} {r['supervised_tokens_per_sec']:10.0f} {r['tokens_per_sec']:10.0f} "
+              f"{r['peak_memory_gb']:8.2f} {r['train_loss']:10.4f} {r['val_loss']:9.4f}")
+    ratios = summary["ratios (mlxft / mlx-lm)"]
+    print(f"mlxft / mlx-lm: throughput {ratios['supervised_tokens_per_sec']:.2f}x, peak memory {ratios['peak_memory']:.2f}x -> {out}")
+
+
+if __name__ == "__main__":
+    main()
