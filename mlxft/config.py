@@ -64,6 +64,10 @@ class AdapterConfig:
     rank: int = _opt(8, "LoRA rank r.")
     alpha: float = _opt(16.0, "LoRA alpha; the update is scaled by alpha / rank.")
     dropout: float = _opt(0.0, "Dropout on the LoRA input.")
+    init_adapter: str = _opt(
+        "", "Start from this adapter directory (mlxft run or checkpoint, mlx-lm run, or PEFT adapter) "
+        "instead of fresh adapters; its layout must match the flags above."
+    )
 
 
 @dataclass

@@ -95,7 +95,12 @@ class Trainer:
                 config.model.quantize_group_size, config.model.revision,
             )
         self.model, self.tokenizer = model, tokenizer
-        self.targets = lora.apply(model, config.adapter, t.seed)
+        if config.adapter.init_adapter:
+            from mlxft.adapters import start_from
+
+            self.targets = start_from(model, config.adapter, config.adapter.init_adapter, t.seed)
+        else:
+            self.targets = lora.apply(model, config.adapter, t.seed)
         if config.model.grad_checkpoint:
             models.checkpoint_layers(model)
         self.world.heartbeat()

@@ -171,3 +171,25 @@ def test_help_describes_every_option():
     for flag in ("--model", "--data", "--output-dir", "--max-steps", "--epochs", "--batch-size", "--grad-accum-steps",
                  "--learning-rate", "--optimizer", "--seed", "--save-every", "--eval-every", "--config"):
         assert flag in proc.stdout
+
+
+def test_training_continues_from_an_adapter_directory(llama_dir, chat_data, tmp_path):
+    """--init-adapter starts from an adapter directory (formats are covered in test_adapter_formats)."""
+    first = Trainer(config(llama_dir, chat_data, tmp_path / "a", max_steps=3))
+    first.train()
+    cfg = config(llama_dir, chat_data, tmp_path / "b", max_steps=1)
+    cfg.adapter.init_adapter = str(tmp_path / "a")
+    second = Trainer(cfg)
+    for (k, v), (_, w) in zip(sorted(checkpoint_weights(first)), sorted(checkpoint_weights(second))):
+        np.testing.assert_array_equal(np.array(v), np.array(w), err_msg=k)
+    assert second.evaluate()[0] == pytest.approx(first.evaluate()[0], rel=1e-6)
+    cfg.adapter.rank = 4
+    cfg.train.output_dir = str(tmp_path / "c")
+    with pytest.raises(Exception, match="rank 8 but the run uses 4"):
+        Trainer(cfg)
+
+
+def checkpoint_weights(trainer):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(trainer.model.trainable_parameters())

@@ -1,0 +1,612 @@
+"""Adapter directories in and out, whoever wrote them: mlxft runs, mlx-lm runs, PEFT adapters.
+
+:func:`load_adapter_dir` recognises the three layouts and returns the tensors under mlx-lm's
+names and orientation (``lora_a`` (in, r), ``lora_b`` (r, out), DoRA magnitude ``m``) with an
+:class:`AdapterSpec` that describes them. :func:`attach` builds the matching LoRA / DoRA layers
+with mlx-lm (through :mod:`mlxft.lora`) and loads the tensors all or nothing, so a model either
+carries the whole adapter or is left as it was. :func:`start_from` is the same for a training
+run that continues from an adapter. :func:`write_peft` and :func:`write_mlx` write an adapter
+back out in PEFT's or mlx-lm's layout.
+
+PEFT stores ``base_model.model.<module>.lora_A.weight`` (r, in) and ``lora_B.weight`` (out, r);
+mlx-lm stores ``<module>.lora_a`` (in, r) and ``lora_b`` (r, out): the conversion is a transpose
+of each, and the scale is ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA). mlxft records
+``alpha`` with ``scale = alpha / rank`` always, so an rsLoRA import gets ``alpha = scale * rank``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import yaml
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlxft import builtin, checkpoint, lora, models
+from mlxft.config import AdapterConfig
+from mlxft.errors import UserError
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+FINE_TUNE_TYPES = ("lora", "dora", "full")
+# Files a tokenizer is saved as; copied along so an exported adapter stays self-contained.
+TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*",
+                      "vocab.json", "vocab.txt", "merges.txt")
+
+# model.layers.<i>.<module inside the layer>.<lora_a | lora_b | m>
+_ADAPTER_TENSOR = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<module>.+)\.(?P<leaf>lora_a|lora_b|m)$")
+
+
+@dataclass
+class AdapterSpec:
+    """What an adapter directory holds, independent of the layout it was stored in."""
+
+    fine_tune_type: str  # lora | dora | full
+    rank: int
+    scale: float  # the update is scale * (x @ lora_a) @ lora_b
+    dropout: float
+    targets: list[str]  # module names inside a layer; ["*"] = the whole model (full fine-tuning)
+    num_layers: int | None  # the last N layers (-1 = all); None = decided from the model (PEFT)
+    layers: list[int] = field(default_factory=list)  # layer indices that hold tensors
+    model_type: str = ""
+    base_model: str = ""
+    source: str = ""  # mlxft | mlx-lm | peft
+    path: Path = Path(".")
+    run_config: dict | None = None  # an mlxft run's config.yaml, when there is one
+
+    @property
+    def alpha(self) -> float:
+        return self.scale * self.rank
+
+    @property
+    def first_layer(self) -> int:
+        return min(self.layers) if self.layers else 0
+
+
+# ---------------------------------------------------------------------------------------
+# Reading
+
+
+def load_adapter_dir(path) -> tuple[dict[str, mx.array], AdapterSpec]:
+    """The tensors of an adapter directory (mlx-lm names and orientation) and its spec.
+
+    ``path`` is an mlxft run or checkpoint directory, an mlx-lm ``--adapter-path`` directory,
+    or a PEFT adapter directory (or the weights file inside any of them).
+    """
+    path = Path(path).expanduser()
+    if path.is_file() and path.name in (checkpoint.ADAPTER_FILE, PEFT_WEIGHTS):
+        path = path.parent
+    if not path.exists():
+        raise UserError(f"adapter directory {path} does not exist; check --adapter")
+    if not path.is_dir():
+        raise UserError(f"adapter path {path} is a file; pass the directory that holds it")
+    if (path / PEFT_WEIGHTS).is_file():
+        weights, spec = _read_peft(path)
+    elif (path / checkpoint.ADAPTER_FILE).is_file():
+        weights, metadata = checkpoint.load_adapter_weights(path / checkpoint.ADAPTER_FILE)
+        if metadata.get("format", "").startswith("mlxft-adapter"):
+            spec = _mlxft_spec(path, metadata)
+        else:
+            spec = _mlx_lm_spec(path, _read_json(path / checkpoint.ADAPTER_CONFIG, "mlx-lm adapter config"))
+    elif (path / "adapter_model.bin").is_file():
+        raise UserError(f"{path} holds a PEFT adapter as adapter_model.bin (pickle); save it with "
+                        "save_pretrained(..., safe_serialization=True) to get adapter_model.safetensors")
+    else:
+        raise UserError(f"{path} holds no adapter: expected {checkpoint.ADAPTER_FILE} (mlxft or mlx-lm run) "
+                        f"or {PEFT_WEIGHTS} (PEFT)")
+    if not weights:
+        raise UserError(f"{path}: the adapter file holds no tensors")
+    if spec.fine_tune_type != "full":
+        spec.layers = _check_lora_tensors(weights, spec, path)
+    run_config = path / checkpoint.CONFIG_FILE
+    if run_config.is_file() and spec.source == "mlxft":
+        try:
+            spec.run_config = yaml.safe_load(run_config.read_text()) or None
+        except (OSError, yaml.YAMLError):
+            spec.run_config = None  # only used for defaults (quantization); the adapter itself is fine
+    return weights, spec
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise UserError(f"{path.parent}: no {path.name} ({what}); the adapter directory is incomplete")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{path}: not a readable JSON file ({err})") from err
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+def _number(config: dict, key: str, where: Path, kind=float, default=None):
+    value = config.get(key, default)
+    if value is None:
+        raise UserError(f"{where}: missing '{key}'")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise UserError(f"{where}: '{key}' must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
+
+
+def _fine_tune_type(value, where: Path) -> str:
+    if value not in FINE_TUNE_TYPES:
+        raise UserError(f"{where}: fine_tune_type {value!r} is not one of {', '.join(FINE_TUNE_TYPES)}")
+    return value
+
+
+def _mlxft_spec(path: Path, meta: dict[str, str]) -> AdapterSpec:
+    where = path / checkpoint.ADAPTER_FILE
+    try:
+        targets = json.loads(meta["target_modules"])
+        spec = AdapterSpec(
+            fine_tune_type=_fine_tune_type(meta["fine_tune_type"], where), rank=int(meta["rank"]),
+            scale=float(meta["scale"]), dropout=float(meta["dropout"]), targets=list(targets),
+            num_layers=int(meta["num_layers"]), model_type=meta.get("model_type", ""),
+            base_model=meta.get("base_model", ""), source="mlxft", path=path)
+    except KeyError as err:
+        raise UserError(f"{where}: the header lacks the LoRA entry {err}; the file is damaged") from err
+    except (ValueError, TypeError) as err:
+        raise UserError(f"{where}: unreadable LoRA header entry ({err})") from err
+    if not spec.base_model:  # runs written before the header recorded it
+        spec.base_model = _read_optional_json(path / checkpoint.ADAPTER_CONFIG).get("base_model", "")
+    return spec
+
+
+def _read_optional_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _mlx_lm_spec(path: Path, config: dict) -> AdapterSpec:
+    """mlx-lm's adapter_config.json: fine_tune_type, num_layers, lora_parameters {rank, scale, ...}.
+
+    mlx-lm itself only reads ``scale``; a config with ``alpha`` alone is accepted here
+    (scale = alpha / rank) since that is what the writer meant.
+    """
+    where = path / checkpoint.ADAPTER_CONFIG
+    fine_tune_type = _fine_tune_type(config.get("fine_tune_type", "lora"), where)
+    num_layers = _number(config, "num_layers", where, int)
+    params = config.get("lora_parameters")
+    if fine_tune_type == "full":
+        params = params if isinstance(params, dict) else {}
+        rank, scale = int(params.get("rank", 1) or 1), float(params.get("scale", 1.0) or 1.0)
+    else:
+        if not isinstance(params, dict):
+            raise UserError(f"{where}: missing 'lora_parameters' (rank, scale, dropout)")
+        rank = _number(params, "rank", where, int)
+        if rank < 1:
+            raise UserError(f"{where}: rank must be >= 1, got {rank}")
+        if "scale" in params:
+            scale = _number(params, "scale", where)
+        elif "alpha" in params or "alpha" in config:
+            scale = _number(params if "alpha" in params else config, "alpha", where) / rank
+        else:
+            raise UserError(f"{where}: lora_parameters has no 'scale' (mlx-lm) or 'alpha'")
+    return AdapterSpec(
+        fine_tune_type=fine_tune_type, rank=rank, scale=scale,
+        dropout=float(params.get("dropout", 0.0) or 0.0), targets=["*"] if fine_tune_type == "full" else [],
+        num_layers=num_layers, model_type=str(config.get("model_type", "")),
+        base_model=str(config.get("base_model") or config.get("model") or ""), source="mlx-lm", path=path)
+
+
+def _read_peft(path: Path) -> tuple[dict[str, mx.array], AdapterSpec]:
+    where = path / PEFT_CONFIG
+    config = _read_json(where, "PEFT adapter config")
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise UserError(f"{where}: peft_type {peft_type!r} is not supported; only LORA adapters (LoRA, rsLoRA, DoRA) are")
+    for key, refusal in (("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas"),
+                         ("modules_to_save", "fully trained extra modules"), ("target_parameters", "parameter targets")):
+        if config.get(key):
+            raise UserError(f"{where}: '{key}' is set ({refusal}); mlxft adapters have one rank and alpha and train no extra modules")
+    if config.get("bias", "none") != "none":
+        raise UserError(f"{where}: bias={config['bias']!r} trains biases; only bias='none' adapters can be loaded")
+    if config.get("fan_in_fan_out"):
+        raise UserError(f"{where}: fan_in_fan_out is for GPT-2 style Conv1D layers, which mlx-lm models do not have")
+    rank = _number(config, "r", where, int)
+    alpha = _number(config, "lora_alpha", where, default=rank)
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    raw, _ = checkpoint.load_adapter_weights(path / PEFT_WEIGHTS)
+    weights = {}
+    for name, value in raw.items():
+        mlx_name, tensor = peft_to_mlx_tensor(name, value, path / PEFT_WEIGHTS)
+        weights[mlx_name] = tensor
+    use_dora = bool(config.get("use_dora"))
+    has_magnitude = any(k.endswith(".m") for k in weights)
+    if use_dora != has_magnitude:
+        raise UserError(f"{where}: use_dora is {use_dora} but the weights {'lack' if use_dora else 'hold'} "
+                        "lora_magnitude_vector tensors; the directory is inconsistent")
+    spec = AdapterSpec(
+        fine_tune_type="dora" if use_dora else "lora", rank=rank, scale=scale,
+        dropout=float(config.get("lora_dropout", 0.0) or 0.0), targets=[], num_layers=None,
+        base_model=str(config.get("base_model_name_or_path") or ""), source="peft", path=path)
+    return weights, spec
+
+
+def peft_to_mlx_tensor(name: str, value: mx.array, where) -> tuple[str, mx.array]:
+    """One PEFT tensor under its mlx-lm name and orientation."""
+    if not name.startswith(PEFT_PREFIX):
+        raise UserError(f"{where}: tensor {name} does not start with '{PEFT_PREFIX}'; not a PEFT LoRA file")
+    module = name[len(PEFT_PREFIX):]
+    if "lora_embedding_" in module:
+        raise UserError(f"{where}: tensor {name} adapts an embedding; only linear layers can be loaded")
+    for suffix, leaf in ((".lora_A.weight", "lora_a"), (".lora_B.weight", "lora_b")):
+        if module.endswith(suffix):
+            if value.ndim != 2:
+                raise UserError(f"{where}: tensor {name} has {value.ndim} dimensions; LoRA of linear layers has 2")
+            return module[: -len(suffix)] + "." + leaf, value.T
+    for suffix in (".lora_magnitude_vector", ".lora_magnitude_vector.weight"):
+        if module.endswith(suffix):
+            return module[: -len(suffix)] + ".m", value
+    raise UserError(f"{where}: tensor {name} is not a LoRA tensor (lora_A, lora_B or lora_magnitude_vector)")
+
+
+def _check_lora_tensors(weights: dict[str, mx.array], spec: AdapterSpec, path: Path) -> list[int]:
+    """Check every tensor is a LoRA tensor of a module inside a layer with the spec's rank;
+    fill the spec's targets from the tensors (mlx-lm configs may omit them); return the layers."""
+    modules, layers = set(), set()
+    for name, value in weights.items():
+        match = _ADAPTER_TENSOR.match(name)
+        if match is None:
+            raise UserError(f"{path}: tensor {name} is not a LoRA tensor of a module inside the transformer layers "
+                            "(expected model.layers.N.<module>.lora_a / lora_b / m)")
+        leaf = match["leaf"]
+        if spec.fine_tune_type == "lora" and leaf == "m":
+            raise UserError(f"{path}: tensor {name} is a DoRA magnitude but the adapter says fine_tune_type lora")
+        rank_dim = {"lora_a": -1, "lora_b": 0}.get(leaf)
+        if rank_dim is not None and (value.ndim != 2 or value.shape[rank_dim] != spec.rank):
+            raise UserError(f"{path}: tensor {name} has shape {tuple(value.shape)}, which does not have rank {spec.rank}")
+        modules.add(match["module"])
+        layers.add(int(match["layer"]))
+    if not spec.targets:
+        spec.targets = sorted(modules)
+    elif set(spec.targets) != modules and spec.targets != ["*"]:
+        extra = sorted(modules - set(spec.targets))
+        if extra:
+            raise UserError(f"{path}: tensors for module {extra[0]}, which the adapter's target list does not name")
+    return sorted(layers)
+
+
+# ---------------------------------------------------------------------------------------
+# Attaching to a model
+
+
+def _check_family(model: nn.Module, spec: AdapterSpec) -> None:
+    if spec.model_type and spec.model_type != models.family(model):
+        raise UserError(f"{spec.path}: the adapter was trained on a {spec.model_type} model but the base is "
+                        f"{models.family(model)}; pass the matching --model")
+
+
+def resolve_num_layers(model: nn.Module, spec: AdapterSpec) -> int:
+    """How many of the last layers the adapter spans, for ``lora.apply``."""
+    total = len(model.layers)
+    if spec.num_layers is None:  # PEFT: from the first layer that holds a tensor
+        return total - spec.first_layer
+    if spec.num_layers > total and spec.source == "mlx-lm":
+        return -1  # mlx-lm's default is 16 layers, which on a smaller model means all of them
+    if spec.num_layers > total:
+        raise UserError(f"{spec.path}: the adapter spans {spec.num_layers} layers but the base has {total}; "
+                        "the adapter is for another model")
+    if spec.layers and spec.num_layers != -1 and spec.first_layer < total - spec.num_layers:
+        raise UserError(f"{spec.path}: the adapter has tensors for layer {spec.first_layer}, outside the last "
+                        f"{spec.num_layers} of the base's {total} layers; the adapter is for another model")
+    return spec.num_layers
+
+
+def adapter_config(model: nn.Module, spec: AdapterSpec):
+    """The :class:`mlxft.config.AdapterConfig` that rebuilds the adapter's layers on ``model``."""
+    require_adapter(spec, "rebuilding adapter layers")
+    return AdapterConfig(finetune=spec.fine_tune_type, targets=list(spec.targets), num_layers=resolve_num_layers(model, spec),
+                         rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout)
+
+
+def _check_targets(model: nn.Module, spec: AdapterSpec, num_layers: int) -> None:
+    available = lora.linear_names(lora.selected_layers(model, num_layers))
+    missing = [t for t in spec.targets if t not in available]
+    if missing:
+        raise UserError(f"{spec.path}: the adapter targets {missing[0]}, which the base's layers do not have "
+                        f"(they have {', '.join(available)}); the adapter is for another model")
+
+
+def attach(model: nn.Module, spec: AdapterSpec, weights: dict[str, mx.array]) -> nn.Module:
+    """Put the adapter on ``model``: LoRA / DoRA layers with its weights, or its full weights.
+
+    All or nothing: every name and shape is checked before anything is loaded. The model is
+    frozen first, so afterwards exactly the adapter's tensors are trainable.
+    """
+    _check_family(model, spec)
+    source = str(spec.path)
+    if spec.fine_tune_type == "full":
+        load_full_weights(model, weights, source)
+        return model
+    config = adapter_config(model, spec)
+    _check_targets(model, spec, config.num_layers)
+    model.freeze()
+    _apply_or_restore(model, config, 0, weights, source, spec.scale)
+    return model
+
+
+def _apply_or_restore(model: nn.Module, config, seed: int, weights: dict[str, mx.array], source: str,
+                      scale: float | None = None) -> list[str]:
+    """``lora.apply`` then load ``weights``; if they do not fit (a shape, a missing tensor),
+    put the original layers back before raising, so a refused adapter leaves no trace."""
+    layers = lora.selected_layers(model, config.num_layers)
+    originals = [(layer, list(layer.named_modules())) for layer in layers]
+    targets = lora.apply(model, config, seed)
+    try:
+        if scale is not None:
+            set_scale(model, scale)  # exactly the stored scale, not alpha / rank recomputed
+        checkpoint.apply_adapter_weights(model, weights, source)
+    except UserError:
+        for layer, modules in originals:
+            replaced = [(name, module) for name, module in modules if name in targets]
+            if replaced:
+                layer.update_modules(tree_unflatten(replaced))
+        raise
+    return targets
+
+
+def load_full_weights(model: nn.Module, weights: dict[str, mx.array], source: str) -> None:
+    """Replace the model's weights by a full fine-tune's, after checking every name and shape."""
+    if models.is_quantized(model):
+        raise UserError(f"{source}: a full fine-tune replaces the base's weights; load the base unquantized "
+                        "(it is quantized here)")
+    params = dict(tree_flatten(model.parameters()))
+    for name, value in weights.items():
+        if name not in params:
+            raise UserError(f"{source}: tensor {name} is not a parameter of the base; the weights are for another model")
+        if tuple(value.shape) != tuple(params[name].shape):
+            raise UserError(f"{source}: tensor {name} has shape {tuple(value.shape)} but the base has "
+                            f"{tuple(params[name].shape)}; the weights are for another model")
+    model.load_weights([(k, v.astype(params[k].dtype)) for k, v in weights.items()], strict=False)
+
+
+def set_scale(model: nn.Module, scale: float) -> None:
+    for _, module in model.named_modules():
+        if "lora_a" in module and hasattr(module, "scale"):
+            module.scale = scale
+
+
+def start_from(model: nn.Module, config, path, seed: int = 0) -> list[str]:
+    """Make ``model`` trainable as ``config`` (an AdapterConfig) asks, starting from the adapter in ``path``.
+
+    For a training run that continues from an earlier adapter (mlxft, mlx-lm or PEFT): call
+    instead of ``lora.apply``. The adapter must have the run's layout (fine-tune type, rank,
+    targets, layers) and scale; the first difference is named. Returns the targeted modules.
+    """
+    weights, spec = load_adapter_dir(path)
+    _check_family(model, spec)
+    if spec.fine_tune_type != config.finetune:
+        raise UserError(f"{spec.path}: the adapter is {spec.fine_tune_type} but the run trains {config.finetune}; "
+                        f"pass --finetune {spec.fine_tune_type}")
+    if config.finetune == "full":
+        targets = lora.apply(model, config, seed)
+        checkpoint.apply_adapter_weights(model, weights, str(spec.path))
+        return targets
+    if spec.rank != config.rank:
+        raise UserError(f"{spec.path}: the adapter has rank {spec.rank} but the run uses {config.rank}; pass --rank {spec.rank}")
+    # Compare before changing the model, so a refusal leaves it untouched.
+    targets = lora.resolve_targets(config.targets, lora.linear_names(lora.selected_layers(model, config.num_layers)))
+    if sorted(spec.targets) != sorted(targets):
+        raise UserError(f"{spec.path}: the adapter targets {','.join(sorted(spec.targets))} but the run targets "
+                        f"{','.join(targets)}; pass --targets {','.join(sorted(spec.targets))}")
+    run_scale = config.alpha / config.rank
+    if not math.isclose(spec.scale, run_scale, rel_tol=1e-6):
+        raise UserError(f"{spec.path}: the adapter's scale is {spec.scale:g} (alpha {spec.alpha:g}) but the run's is "
+                        f"{run_scale:g}; pass --alpha {spec.alpha:g}")
+    total = len(model.layers)
+    spans = resolve_num_layers(model, spec)
+    spans, trains = total if spans == -1 else spans, len(lora.selected_layers(model, config.num_layers))
+    if spans != trains:
+        raise UserError(f"{spec.path}: the adapter spans the last {spans} layers but the run trains {trains}; "
+                        f"pass --num-layers {spans}")
+    _apply_or_restore(model, config, seed, weights, str(spec.path))
+    return targets
+
+
+def run_settings(path, model: nn.Module | None = None) -> dict:
+    """The ``adapter`` config section an adapter directory was trained with, to default a run's
+    settings to when it starts from that adapter: finetune, targets, rank, alpha (= scale * rank),
+    dropout and num_layers (a PEFT adapter records layer indices, so its count needs ``model``)."""
+    _, spec = load_adapter_dir(path)
+    settings = {"finetune": spec.fine_tune_type, "rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout,
+                "targets": ["default"] if spec.targets == ["*"] else list(spec.targets)}
+    if spec.fine_tune_type == "full" and spec.targets == ["*"]:
+        settings["num_layers"] = -1
+    elif spec.num_layers is not None or model is not None:
+        settings["num_layers"] = resolve_num_layers(model, spec) if model is not None else spec.num_layers
+    return settings
+
+
+# ---------------------------------------------------------------------------------------
+# The base model an adapter belongs to
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    tokenizer: object
+    model_path: Path
+    config: dict
+    spec: AdapterSpec | None
+
+
+def base_model_name(model: str | None, spec: AdapterSpec | None) -> str:
+    """``--model`` when given, else the base the adapter directory records."""
+    name = model or (spec.base_model if spec else "")
+    if not name:
+        where = f"{spec.path} does not record its base model; " if spec else ""
+        raise UserError(f"{where}pass --model (the base model directory or hub id)")
+    return builtin.resolve(name)
+
+
+def load_with_adapter(model: str | None, adapter: str | None, dtype: str = "auto") -> Loaded:
+    """Load the base (as the adapter was trained: an mlxft run's quantization is reused), put
+    the adapter on it, and take the tokenizer the run saved (else the base's)."""
+    weights, spec = load_adapter_dir(adapter) if adapter else (None, None)
+    name = base_model_name(model, spec)
+    quantize, group_size = 0, 64
+    if spec is not None and spec.run_config:
+        section = spec.run_config.get("model") or {}
+        quantize, group_size = int(section.get("quantize") or 0), int(section.get("quantize_group_size") or 64)
+    try:
+        base, tokenizer, path, config = load_base(name, dtype, quantize, group_size, spec.path if spec else None)
+    except UserError as err:
+        if model or spec is None:
+            raise
+        raise UserError(f"{err} (the base recorded in {spec.path}; pass --model to use another)") from err
+    if spec is not None:
+        attach(base, spec, weights)
+    base.eval()
+    return Loaded(base, tokenizer, Path(path), config, spec)
+
+
+def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, tokenizer_dir: Path | None = None):
+    """``models.load`` for a model an adapter goes on: ``(model, tokenizer, path, config)``.
+
+    The tokenizer is the one ``tokenizer_dir`` (a run directory) saved when it holds one: the
+    tokenizer the run was trained with, which the hub's copy may have drifted from (and loading
+    only one of the two saves a second). ``quantize`` (the run's QLoRA setting) applies only
+    to a base that is not quantized already.
+    """
+    from mlx_lm.utils import load_model, load_tokenizer, quantize_model
+
+    path = models.resolve_model_path(name)
+    try:
+        model, config = load_model(path)
+        tokenizer = run_tokenizer(Path(tokenizer_dir), config) if tokenizer_dir else None
+        tokenizer = tokenizer or load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"cannot load model from {path}: {first}") from err
+    model.set_dtype(models.resolve_dtype(dtype))
+    if quantize and not models.is_quantized(model):
+        model, config = quantize_model(model, config, group_size, quantize)
+    model.freeze()
+    return model, tokenizer, path, config
+
+
+def run_tokenizer(directory: Path, config: dict):
+    """The tokenizer saved in an adapter / run directory, or None when it holds none."""
+    if not (directory / "tokenizer_config.json").is_file():
+        return None
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        return load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
+    except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        return None  # a damaged copy: the base's own tokenizer is the same one
+
+
+# ---------------------------------------------------------------------------------------
+# Writing
+
+
+def peft_tensors(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """mlx-lm adapter tensors under PEFT's names and orientation."""
+    out = {}
+    for name, value in weights.items():
+        stem, _, leaf = name.rpartition(".")
+        key = PEFT_PREFIX + stem + {"lora_a": ".lora_A.weight", "lora_b": ".lora_B.weight",
+                                    "m": ".lora_magnitude_vector"}[leaf]
+        # mx.save_safetensors writes the logical row-major contents of strided views (unlike
+        # numpy arrays handed to safetensors.numpy, which need np.ascontiguousarray first).
+        out[key] = value.T if leaf != "m" else value
+    return out
+
+
+def peft_config(spec: AdapterSpec, base_model: str = "") -> dict:
+    """PEFT's adapter_config.json for an adapter (plain LoRA scaling: lora_alpha = scale * r)."""
+    layers = None if not spec.layers or spec.first_layer == 0 else list(spec.layers)
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or spec.base_model or None,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(spec.targets),
+        "use_rslora": False,
+        "use_dora": spec.fine_tune_type == "dora",
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "layers_to_transform": layers,
+        "layers_pattern": "layers" if layers else None,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "revision": None,
+    }
+
+
+def require_adapter(spec: AdapterSpec, what: str) -> None:
+    if spec.fine_tune_type == "full":
+        raise UserError(f"{spec.path} is a full fine-tune (whole weights, no adapter); {what} needs a LoRA or DoRA "
+                        "adapter. Use python -m mlxft.fuse to write it as a model directory")
+
+
+def write_peft(weights: dict[str, mx.array], spec: AdapterSpec, out: Path, base_model: str = "") -> None:
+    """An adapter directory in PEFT's layout: adapter_model.safetensors and adapter_config.json."""
+    require_adapter(spec, "PEFT export")
+    out = Path(out)
+    mx.save_safetensors(str(out / PEFT_WEIGHTS), peft_tensors(weights), metadata={"format": "pt"})
+    (out / PEFT_CONFIG).write_text(json.dumps(peft_config(spec, base_model), indent=2) + "\n")
+    copy_tokenizer_files(spec.path, out)
+
+
+def count_base_layers(base_model: str) -> int | None:
+    """num_hidden_layers of a local base model directory, when it can be read."""
+    if not base_model:
+        return None
+    try:
+        config = json.loads((Path(builtin.resolve(base_model)).expanduser() / "config.json").read_text())
+    except (OSError, ValueError, UserError):
+        return None
+    config = config.get("text_config", config)
+    layers = config.get("num_hidden_layers", config.get("n_layer"))
+    return int(layers) if isinstance(layers, int) else None
+
+
+def write_mlx(weights: dict[str, mx.array], spec: AdapterSpec, out: Path, base_model: str = "") -> None:
+    """An adapter directory in mlxft's run layout, which mlx-lm loads as ``--adapter-path``."""
+    out = Path(out)
+    num_layers = spec.num_layers
+    if num_layers is None:  # PEFT records layers by index; mlx-lm counts the last N
+        if spec.first_layer == 0:
+            num_layers = -1
+        else:
+            total = count_base_layers(base_model or spec.base_model)
+            if total is None:
+                raise UserError(f"{spec.path}: the adapter starts at layer {spec.first_layer}; pass --model (the base) "
+                                "so the layer count mlx-lm needs can be read from its config.json")
+            num_layers = total - spec.first_layer
+    metadata = checkpoint.adapter_metadata(spec.fine_tune_type, spec.rank, spec.alpha, spec.dropout, spec.targets,
+                                           num_layers, spec.model_type, base_model or spec.base_model)
+    metadata["scale"] = repr(float(spec.scale))  # exactly the source's (alpha / rank may round)
+    mx.save_safetensors(str(out / checkpoint.ADAPTER_FILE), weights, metadata=metadata)
+    (out / checkpoint.ADAPTER_CONFIG).write_text(
+        json.dumps(checkpoint.mlx_lm_adapter_config(metadata), indent=2, sort_keys=True) + "\n")
+    copy_tokenizer_files(spec.path, out)
+
+
+def copy_tokenizer_files(source: Path, out: Path) -> list[str]:
+    """Copy the tokenizer files of ``source`` (if any) into ``out``; return their names."""
+    copied = []
+    for pattern in TOKENIZER_PATTERNS:
+        for path in sorted(Path(source).glob(pattern)):
+            if path.is_file() and not (out / path.name).exists():
+                shutil.copy2(path, out / path.name)
+                copied.append(path.name)
+    return copied

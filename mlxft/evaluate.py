@@ -1,0 +1,116 @@
+"""Command line: loss and perplexity of a model (with an adapter) on a JSONL test set.
+
+    python -m mlxft.evaluate --adapter RUN_DIR --data data_dir
+
+Rows are encoded exactly as training encodes them (:mod:`mlxft.data`) and scored with the
+training loss (:mod:`mlxft.loss`): the mean is over supervised tokens of the whole set
+(token-weighted), not a mean of per-batch means, so it does not depend on the batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxft.errors import UserError, run_cli
+
+
+@dataclass
+class Evaluation:
+    loss: float
+    perplexity: float
+    tokens: int
+    rows: int
+    path: Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlxft.evaluate",
+        description="Token-weighted loss and perplexity of a base model, with an optional adapter, on a JSONL set.")
+    parser.add_argument("--model", metavar="BASE",
+                        help="base model directory or hub id (default: the base recorded in --adapter)")
+    parser.add_argument("--adapter", metavar="DIR",
+                        help="run directory, checkpoint, mlx-lm or PEFT adapter directory (omit for the base alone)")
+    parser.add_argument("--data", required=True,
+                        help="a JSONL file, or a directory holding test.jsonl (else valid.jsonl)")
+    parser.add_argument("--batch-size", type=int, default=4, help="rows per forward pass (default 4)")
+    parser.add_argument("--max-seq-length", type=int, default=2048, help="truncate rows to this many tokens (default 2048)")
+    parser.add_argument("--no-completion-only", dest="completion_only", action="store_false",
+                        help="score every token, not only completions / assistant turns")
+    parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default="auto",
+                        help="how prompt/completion rows are rendered (as in training; default auto)")
+    parser.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0 = all)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="compute dtype (auto: float32 on the CPU, bfloat16 on a GPU)")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    return parser
+
+
+def data_file(data: str) -> Path:
+    """``data`` itself, or the test.jsonl (else valid.jsonl) of a directory."""
+    path = Path(data).expanduser()
+    if path.is_dir():
+        for name in ("test.jsonl", "valid.jsonl"):
+            if (path / name).is_file():
+                return path / name
+        raise UserError(f"{path} holds neither test.jsonl nor valid.jsonl; pass --data FILE.jsonl")
+    if not path.is_file():
+        raise UserError(f"evaluation data {path} does not exist; check --data")
+    return path
+
+
+def evaluate(model, tokenizer, path, *, batch_size: int = 4, max_seq_length: int = 2048, completion_only: bool = True,
+             prompt_format: str = "auto", max_batches: int = 0, bucket: int = 8) -> Evaluation:
+    """Token-weighted mean loss over the rows of ``path`` (and its perplexity, exp(loss))."""
+    import mlx.core as mx
+
+    from mlxft import data
+    from mlxft.loss import loss_fn
+
+    if batch_size < 1 or max_seq_length < 2:
+        raise UserError("--batch-size must be >= 1 and --max-seq-length >= 2")
+    path = Path(path)
+    dataset = data.load_dataset(path, tokenizer, max_seq_length, completion_only, prompt_format)
+    model.eval()
+    loss_sum, tokens = mx.array(0.0), mx.array(0.0)
+    for i, indices in enumerate(data.epoch_batches(dataset.lengths, batch_size, 0, 0, shuffle=False)):
+        if max_batches and i >= max_batches:
+            break
+        batch = data.make_batch([dataset.examples[j] for j in indices], batch_size, bucket)
+        loss, ntokens = loss_fn(model, *batch.arrays())
+        loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
+        mx.eval(loss_sum, tokens)
+    count = int(tokens.item())
+    loss = loss_sum.item() / max(count, 1)
+    return Evaluation(loss, math.exp(min(loss, 700.0)), count, len(dataset), path)
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    path = data_file(args.data)
+    from mlxft.adapters import load_with_adapter
+
+    loaded = load_with_adapter(args.model, args.adapter, args.dtype)
+    result = evaluate(loaded.model, loaded.tokenizer, path, batch_size=args.batch_size,
+                      max_seq_length=args.max_seq_length, completion_only=args.completion_only,
+                      prompt_format=args.prompt_format, max_batches=args.max_batches)
+    if args.json:
+        print(json.dumps({"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
+                          "rows": result.rows, "data": str(result.path)}))
+    else:
+        print(f"data: {result.path} ({result.rows} rows)")
+        print(f"loss: {result.loss:.4f}")
+        print(f"perplexity: {result.perplexity:.3f}")
+        print(f"tokens: {result.tokens}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Command line: write an adapter in another library's layout.
+
+    python -m mlxft.export --adapter RUN_DIR --format peft --out DIR
+    python -m mlxft.export --adapter PEFT_DIR --format mlx-lm --out DIR
+
+``peft`` writes adapter_model.safetensors (PEFT's tensor names, (r, in) / (out, r) orientation)
+and adapter_config.json, which ``peft.PeftModel.from_pretrained`` loads onto the transformers
+model. ``mlx-lm`` writes mlxft's run layout (adapters.safetensors with LoRA metadata, and
+adapter_config.json) that mlx-lm loads with ``--adapter-path`` and mlxft trains from.
+Any of the three layouts can be the input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mlxft.errors import UserError, run_cli
+
+FORMATS = ("peft", "mlx-lm")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlxft.export",
+        description="Convert an adapter directory (mlxft run, mlx-lm or PEFT) into PEFT's or mlx-lm's layout.")
+    parser.add_argument("--adapter", required=True, metavar="DIR",
+                        help="run directory, checkpoint, mlx-lm adapter directory or PEFT adapter directory")
+    parser.add_argument("--format", required=True, choices=FORMATS,
+                        help="peft: adapter_model.safetensors + adapter_config.json for transformers + peft; "
+                             "mlx-lm: adapters.safetensors + adapter_config.json for mlx-lm and mlxft")
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory to write (must not exist or be empty)")
+    parser.add_argument("--model", metavar="BASE",
+                        help="base model to record in the output (default: the one the adapter records); for "
+                             "--format mlx-lm from a PEFT adapter on a subset of layers, its config.json gives "
+                             "the layer count")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    return parser
+
+
+def export(adapter, fmt: str, out, *, model: str = "", overwrite: bool = False) -> Path:
+    """Convert the adapter directory ``adapter`` into ``fmt`` under ``out``; return ``out``."""
+    from mlxft import adapters
+    from mlxft.gguf import _check_destination, _write_atomically
+
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    out = Path(out).expanduser()
+    weights, spec = adapters.load_adapter_dir(adapter)
+    if out.resolve() == spec.path.resolve() or spec.path.resolve() in out.resolve().parents:
+        raise UserError(f"--out {out} is inside the adapter directory {spec.path}; choose another directory")
+    _check_destination(out, overwrite)
+    write = adapters.write_peft if fmt == "peft" else adapters.write_mlx
+    if fmt == "peft":
+        adapters.require_adapter(spec, "PEFT export")  # refuse before creating anything
+    try:
+        _write_atomically(out, overwrite, lambda tmp: write(weights, spec, tmp, model or ""))
+    except OSError as err:
+        raise UserError(f"{out}: cannot write the adapter ({err.strerror or err})") from None
+    return out
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = export(args.adapter, args.format, args.out, model=args.model or "", overwrite=args.overwrite)
+    print(f"wrote {out} ({args.format})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Adapter directories in and out: mlxft <-> PEFT <-> mlx-lm round trips keep every tensor, a
+real mlx-lm run loads (for evaluation and for continued training), and malformed or
+mismatched directories are refused with one clear line."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlxft import adapters, checkpoint
+from mlxft.config import AdapterConfig
+from mlxft.errors import UserError
+from mlxft.export import export, main as export_main
+
+from adapter_runs import base_model, logits, max_rel_diff, mlx_lm_run, synthetic_run
+from conftest import LLAMA_CONFIG, write_model
+
+
+@pytest.fixture(scope="session")
+def runs_root(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp() / "adapter-runs"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def as_numpy(weights):
+    return {k: np.array(v.astype(mx.float32)) for k, v in weights.items()}
+
+
+@pytest.mark.parametrize("family,finetune,num_layers", [("llama", "dora", -1), ("lfm2", "lora", 2)])
+def test_mlxft_to_peft_to_mlxft_keeps_every_tensor(family, finetune, num_layers, llama_dir, lfm2_dir, runs_root, tmp_path):
+    model_dir = {"llama": llama_dir, "lfm2": lfm2_dir}[family]
+    run = synthetic_run(runs_root, model_dir, finetune, num_layers=num_layers)
+    original, spec = adapters.load_adapter_dir(run)
+    assert spec.source == "mlxft" and spec.fine_tune_type == finetune and spec.base_model == str(model_dir)
+
+    peft_dir = export(run, "peft", tmp_path / "peft")
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert config["use_dora"] == (finetune == "dora") and sorted(config["target_modules"]) == sorted(spec.targets)
+    assert config["layers_to_transform"] == (None if num_layers == -1 else [1, 2])
+    assert (peft_dir / "tokenizer.json").is_file()  # the run's tokenizer travels with the adapter
+
+    # Read PEFT's file with an independent reader: names and (r, in) / (out, r) orientation.
+    raw = load_file(str(peft_dir / "adapter_model.safetensors"))
+    ours = as_numpy(original)
+    assert len(raw) == len(ours)
+    for name, value in ours.items():
+        stem, leaf = name.rsplit(".", 1)
+        key = "base_model.model." + stem + {"lora_a": ".lora_A.weight", "lora_b": ".lora_B.weight", "m": ".lora_magnitude_vector"}[leaf]
+        np.testing.assert_array_equal(raw[key], value.T if leaf != "m" else value)
+
+    back, back_spec = adapters.load_adapter_dir(peft_dir)
+    assert back_spec.source == "peft" and back_spec.fine_tune_type == finetune
+    assert (back_spec.rank, back_spec.scale, sorted(back_spec.targets)) == (spec.rank, spec.scale, sorted(spec.targets))
+    assert set(back) == set(original)
+    for name, value in as_numpy(back).items():
+        np.testing.assert_array_equal(value, ours[name])
+
+    # ... and on to mlx-lm's layout (the base tells how many layers a PEFT adapter spans).
+    mlx_dir = export(peft_dir, "mlx-lm", tmp_path / "mlx", model=str(model_dir))
+    again, again_spec = adapters.load_adapter_dir(mlx_dir)
+    assert again_spec.source == "mlxft" and set(again) == set(original)
+    for name, value in as_numpy(again).items():
+        np.testing.assert_array_equal(value, ours[name])
+    model = adapters.attach(base_model(model_dir), again_spec, again)
+    reference = adapters.attach(base_model(model_dir), spec, original)
+    np.testing.assert_array_equal(logits(model), logits(reference))
+    from mlx_lm.utils import load_adapters  # mlx-lm's own loader reads the converted directory
+
+    np.testing.assert_array_equal(logits(load_adapters(base_model(model_dir), str(mlx_dir))), logits(reference))
+
+
+def test_rslora_scale_and_alpha_only_configs(llama_dir, runs_root, tmp_path):
+    run = synthetic_run(runs_root, llama_dir, "lora", targets=["attn"])
+    peft_dir = export(run, "peft", tmp_path / "peft")
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    config.update(use_rslora=True, lora_alpha=6.0)  # scale = 6 / sqrt(4) = 3
+    (peft_dir / "adapter_config.json").write_text(json.dumps(config))
+    _, spec = adapters.load_adapter_dir(peft_dir)
+    assert spec.scale == 3.0 and spec.alpha == 12.0
+
+    # An mlx-lm style config that gives alpha instead of scale (mlx-lm itself would refuse it).
+    config = json.loads((run / "adapter_config.json").read_text())
+    mlx_dir = tmp_path / "alpha-only"
+    mlx_dir.mkdir()
+    weights, _ = checkpoint.load_adapter_weights(run / "adapters.safetensors")
+    mx.save_safetensors(str(mlx_dir / "adapters.safetensors"), weights)  # no mlxft header
+    del config["lora_parameters"]["scale"]
+    config["lora_parameters"]["alpha"] = 10.0
+    (mlx_dir / "adapter_config.json").write_text(json.dumps(config))
+    _, spec = adapters.load_adapter_dir(mlx_dir)
+    assert spec.source == "mlx-lm" and spec.scale == 2.5
+
+
+def test_mlx_lm_run_loads_for_evaluation_and_training(lfm2_dir, runs_root):
+    from mlx_lm import load as mlx_lm_load
+
+    run = mlx_lm_run(runs_root, lfm2_dir)
+    stored = mx.load(str(run / "adapters.safetensors"))
+    weights, spec = adapters.load_adapter_dir(run)
+    assert spec.source == "mlx-lm" and (spec.rank, spec.scale, spec.alpha, spec.num_layers) == (4, 3.0, 12.0, 2)
+    assert spec.base_model == str(lfm2_dir)  # mlx-lm records the model it trained on
+    assert set(weights) == set(stored) and all(mx.array_equal(weights[k], stored[k]) for k in stored)
+
+    # Evaluation: the same logits as mlx-lm's own loader gives, base found from the run.
+    loaded = adapters.load_with_adapter(None, str(run))
+    expected, _ = mlx_lm_load(str(lfm2_dir), adapter_path=str(run))
+    assert max_rel_diff(logits(loaded.model), logits(expected)) < 1e-6
+    assert sorted(k for k, _ in tree_flatten(loaded.model.trainable_parameters())) == sorted(stored)
+
+    # Continued training: the run's layout with the adapter's weights as the starting point.
+    settings = adapters.run_settings(run)
+    assert settings == {"finetune": "lora", "rank": 4, "alpha": 12.0, "dropout": 0.0, "num_layers": 2,
+                        "targets": sorted(spec.targets)}
+    model = base_model(lfm2_dir)
+    targets = adapters.start_from(model, AdapterConfig(**settings), run, seed=7)
+    assert targets == sorted(spec.targets)
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    assert set(trainable) == set(stored) and all(mx.array_equal(trainable[k], stored[k]) for k in stored)
+
+
+def test_start_from_refuses_another_layout(llama_dir, runs_root):
+    run = synthetic_run(runs_root, llama_dir, "lora")
+    for change, flag in [({"rank": 8}, "--rank 4"), ({"alpha": 4.0}, "--alpha 8"), ({"targets": ["mlp"]}, "--targets"),
+                         ({"finetune": "dora"}, "--finetune lora")]:
+        model = base_model(llama_dir)
+        with pytest.raises(UserError, match=flag):
+            adapters.start_from(model, AdapterConfig(**{**adapters.run_settings(run), **change}), run)
+        assert not any("lora" in k for k, _ in tree_flatten(model.parameters()))  # refused before any change
+    model = base_model(llama_dir)
+    adapters.start_from(model, AdapterConfig(**adapters.run_settings(run)), run)
+    assert set(checkpoint.trainable_weights(model)) == set(checkpoint.load_adapter_weights(run / "adapters.safetensors")[0])
+
+
+def _copy(run, tmp_path, name="bad"):
+    target = tmp_path / name
+    shutil.copytree(run, target)
+    return target
+
+
+def _break_peft(peft_dir, **changes):
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    config.update(changes)
+    (peft_dir / "adapter_config.json").write_text(json.dumps(config))
+    return peft_dir
+
+
+def test_malformed_adapter_directories(llama_dir, runs_root, tmp_path):
+    run = synthetic_run(runs_root, llama_dir, "lora")
+    peft_dir = export(run, "peft", tmp_path / "peft")
+
+    def refused(path, match):
+        with pytest.raises(UserError, match=match):
+            adapters.load_adapter_dir(path)
+
+    refused(tmp_path / "missing", "does not exist")
+    (tmp_path / "empty").mkdir()
+    refused(tmp_path / "empty", "holds no adapter")
+
+    truncated = _copy(run, tmp_path, "truncated")
+    data = (truncated / "adapters.safetensors").read_bytes()
+    (truncated / "adapters.safetensors").write_bytes(data[: len(data) // 2])
+    refused(truncated, "truncated")
+
+    plain = tmp_path / "no-config"  # mlx-lm layout without its adapter_config.json
+    plain.mkdir()
+    mx.save_safetensors(str(plain / "adapters.safetensors"), checkpoint.load_adapter_weights(run / "adapters.safetensors")[0])
+    refused(plain, "no adapter_config.json")
+    (plain / "adapter_config.json").write_text("{not json")
+    refused(plain, "not a readable JSON")
+    (plain / "adapter_config.json").write_text(json.dumps({"num_layers": 2, "lora_parameters": {"rank": 4}}))
+    refused(plain, "no 'scale'")
+    (plain / "adapter_config.json").write_text(json.dumps({"num_layers": 2, "lora_parameters": {"rank": 8, "scale": 2.0}}))
+    refused(plain, "does not have rank 8")
+
+    refused(_break_peft(_copy(peft_dir, tmp_path, "ia3"), peft_type="IA3"), "peft_type 'IA3'")
+    refused(_break_peft(_copy(peft_dir, tmp_path, "dora"), use_dora=True), "use_dora is True")
+    refused(_break_peft(_copy(peft_dir, tmp_path, "pattern"), rank_pattern={"q_proj": 8}), "rank_pattern")
+    refused(_break_peft(_copy(peft_dir, tmp_path, "extra"), modules_to_save=["lm_head"]), "modules_to_save")
+    refused(_break_peft(_copy(peft_dir, tmp_path, "bias"), bias="all"), "bias='all'")
+    pickled = _copy(peft_dir, tmp_path, "bin")
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    refused(pickled, "adapter_model.bin")
+    renamed = _copy(peft_dir, tmp_path, "names")
+    mx.save_safetensors(str(renamed / "adapter_model.safetensors"), {"model.layers.0.q.lora_A.weight": mx.zeros((4, 64))})
+    refused(renamed, "does not start with 'base_model.model.'")
+
+
+def test_mismatched_adapters_are_refused_and_leave_the_model_as_it_was(llama_dir, lfm2_dir, runs_root, tmp_path):
+    llama_run = synthetic_run(runs_root, llama_dir, "lora")
+
+    def refused(model_dir, path, match):
+        weights, spec = adapters.load_adapter_dir(path)
+        model = base_model(model_dir)
+        with pytest.raises(UserError, match=match):
+            adapters.attach(model, spec, weights)
+        assert not any("lora" in k for k, _ in tree_flatten(model.parameters()))  # the base is as it was
+
+    refused(lfm2_dir, llama_run, "trained on a llama model but the base is lfm2")
+    peft_dir = export(llama_run, "peft", tmp_path / "peft")  # PEFT records no model type
+    refused(lfm2_dir, peft_dir, "targets mlp.down_proj, which the base's layers do not have")
+    narrow = write_model(tmp_path / "narrow", {**LLAMA_CONFIG, "hidden_size": 32, "intermediate_size": 64})
+    refused(narrow, peft_dir, r"has shape \(\d+, \d+\) but the model expects")
+    deeper = write_model(tmp_path / "deep", {**LLAMA_CONFIG, "num_hidden_layers": 3})
+    refused(deeper, llama_run, "outside the last 2 of the base.s 3 layers")
+
+    # The CLI says it in one line, exit code 2.
+    assert export_main(["--adapter", str(tmp_path / "nowhere"), "--format", "peft", "--out", str(tmp_path / "o")]) == 2
+    full = synthetic_run(runs_root, llama_dir, "full")
+    with pytest.raises(UserError, match="full fine-tune"):
+        export(full, "peft", tmp_path / "full-peft")
+    assert not (tmp_path / "full-peft").exists()
+    with pytest.raises(UserError, match="not empty"):
+        export(llama_run, "peft", peft_dir)
+    with pytest.raises(UserError, match="inside the adapter directory"):
+        export(llama_run, "mlx-lm", llama_run / "sub", overwrite=True)

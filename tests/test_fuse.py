@@ -1,0 +1,107 @@
+"""Fusing: the fused model directory gives the unfused model's logits, loads in mlx-lm, and is
+written in Hugging Face layout (config, shards and index, tokenizer); quantized bases, full
+fine-tunes and bad output paths."""
+
+import json
+
+import pytest
+
+import mlx.core as mx
+
+from mlxft import adapters
+from mlxft.errors import UserError
+from mlxft.fuse import fuse, main as fuse_main
+
+from adapter_runs import adapted, base_model, logits, max_rel_diff, synthetic_run, trained_run
+
+
+@pytest.fixture(scope="session")
+def runs_root(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp() / "adapter-runs"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def mlx_lm_logits(path):
+    """Logits of the model mlx-lm's loader makes of a directory (its tokenizer aside)."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path)
+    return logits(model)
+
+
+@pytest.mark.parametrize("family,kind", [("llama", "trained"), ("lfm2", "dora")])
+def test_fused_equals_unfused_and_loads_in_mlx_lm(family, kind, llama_dir, lfm2_dir, runs_root, tmp_path, tokenizer):
+    trained_with = tokenizer  # every test model uses Qwen3's tokenizer
+    model_dir = {"llama": llama_dir, "lfm2": lfm2_dir}[family]
+    run = trained_run(runs_root, model_dir) if kind == "trained" else synthetic_run(runs_root, model_dir, "dora", num_layers=2)
+    unfused = logits(adapted(run))
+    base = logits(base_model(model_dir))
+    assert max_rel_diff(unfused, base) > 1e-2  # the adapter changes the model: the comparison means something
+
+    out = fuse(str(run), None, tmp_path / "fused")  # --model defaults to the run's recorded base
+    from mlx_lm import load
+
+    model, tokenizer = load(str(out))  # what users run: model and tokenizer from the directory
+    assert max_rel_diff(logits(model), unfused) < 1e-5
+    text = "<|im_start|>user\nWhat is 1 plus 2?<|im_end|>"
+    assert tokenizer.encode(text) == trained_with.encode(text) and tokenizer.chat_template == trained_with.chat_template
+
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
+            "tokenizer_config.json"} <= names
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family and config["tie_word_embeddings"] is True
+    assert config["torch_dtype"] == "float32" and "quantization" not in config
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(mx.load(str(out / "model.safetensors")))
+    if family == "lfm2":  # PyTorch's Conv1d layout (channels, 1, kernel), not mlx-lm's
+        assert mx.load(str(out / "model.safetensors"))["model.layers.0.conv.conv.weight"].shape == (64, 1, 3)
+
+
+def test_quantized_base_fuses_exactly_with_dequantize(llama_dir, runs_root, tmp_path):
+    run = synthetic_run(runs_root, llama_dir, "lora", quantize=4)  # QLoRA: the run quantized its base on load
+    loaded = adapters.load_with_adapter(None, str(run))
+    unfused = logits(loaded.model)
+
+    exact = fuse(str(run), None, tmp_path / "dequantized", dequantize=True)
+    assert "quantization" not in json.loads((exact / "config.json").read_text())
+    assert max_rel_diff(mlx_lm_logits(exact), unfused) < 1e-5
+
+    requantized = fuse(str(run), None, tmp_path / "quantized")
+    config = json.loads((requantized / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 32
+    assert max_rel_diff(mlx_lm_logits(requantized), unfused) < 0.5  # loads; re-quantizing is lossy
+
+
+def test_full_fine_tune_fuses_to_its_weights_and_shards(llama_dir, runs_root, tmp_path):
+    run = synthetic_run(runs_root, llama_dir, "full")
+    unfused = logits(adapted(run))
+    out = fuse(str(run), str(llama_dir), tmp_path / "full", max_shard_gb=0.02)  # 20 MB shards
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert max_rel_diff(mlx_lm_logits(out), unfused) < 1e-6
+    trained = mx.load(str(run / "adapters.safetensors"))
+    written = {}
+    for shard in shards:
+        written.update(mx.load(str(out / shard)))
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert mx.array_equal(written[name], trained[name])
+
+
+def test_fuse_refuses_bad_output_paths(llama_dir, runs_root, tmp_path, capsys):
+    run = synthetic_run(runs_root, llama_dir, "lora")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    assert fuse_main(["--adapter", str(run), "--out", str(tmp_path / "taken")]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert fuse_main(["--adapter", str(run), "--out", str(run / "fused"), "--overwrite"]) == 2
+    assert "inside" in capsys.readouterr().err
+    assert fuse_main(["--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--adapter" in err
+    with pytest.raises(UserError, match="does not exist"):
+        fuse(str(tmp_path / "no-run"), None, tmp_path / "y")
+    assert not (tmp_path / "y").exists()

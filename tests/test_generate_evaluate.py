@@ -1,0 +1,66 @@
+"""Generate and evaluate from a run directory: the base is found from the run, the prompt gets
+the chat template, output streams; the loss is token-weighted and matches the trainer's."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlxft import adapters, data
+from mlxft.evaluate import evaluate, main as evaluate_main
+from mlxft.generate import main as generate_main
+from mlxft.generation import prompt_ids
+
+from adapter_runs import data_dir, trained_run
+
+
+@pytest.fixture(scope="session")
+def runs_root(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp() / "adapter-runs"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def test_generate_cli_streams_the_adapted_models_greedy_answer(llama_dir, runs_root):
+    from mlx_lm import generate
+
+    run = trained_run(runs_root, llama_dir)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mlxft.generate", "--adapter", str(run), "--prompt", "What is 3 plus 4?",
+                           "--max-tokens", "6", "--verbose"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "generation: 6 tokens" in proc.stderr or "stop: stop" in proc.stderr
+
+    loaded = adapters.load_with_adapter(None, str(run))  # no --model: the run records its base
+    ids = prompt_ids(loaded.tokenizer, [{"role": "user", "content": "What is 3 plus 4?"}])
+    assert loaded.tokenizer.decode(ids).startswith("<|im_start|>user\nWhat is 3 plus 4?<|im_end|>")
+    expected = generate(loaded.model, loaded.tokenizer, ids, max_tokens=6)
+    assert proc.stdout == expected + "\n"
+
+
+def test_evaluate_is_token_weighted_and_matches_the_trainer(llama_dir, runs_root, capsys):
+    run = trained_run(runs_root, llama_dir)
+    valid = data_dir(runs_root) / "valid.jsonl"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trainer_loss = [r for r in records if r["type"] == "eval"][-1]
+
+    loaded = adapters.load_with_adapter(None, str(run))
+    one = evaluate(loaded.model, loaded.tokenizer, valid, batch_size=1)
+    three = evaluate(loaded.model, loaded.tokenizer, valid, batch_size=3)  # a short last batch
+    expected_tokens = data.load_dataset(valid, loaded.tokenizer, 2048).supervised_tokens
+    assert one.tokens == three.tokens == expected_tokens and one.rows == 5
+    assert one.loss == pytest.approx(three.loss, rel=1e-5)
+    assert one.loss == pytest.approx(trainer_loss["val_loss"], rel=1e-5) and one.tokens == trainer_loss["val_tokens"]
+
+    assert evaluate_main(["--adapter", str(run), "--data", str(valid.parent), "--json", "--batch-size", "2"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["tokens"] == expected_tokens and printed["loss"] == pytest.approx(one.loss, rel=1e-5)
+    assert printed["perplexity"] == pytest.approx(2.718281828 ** one.loss, rel=1e-6)
+    assert printed["data"].endswith("valid.jsonl")  # no test.jsonl in the directory: valid.jsonl
+
+    assert evaluate_main(["--adapter", str(run), "--data", str(runs_root / "nothing-here")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert generate_main(["--adapter", str(runs_root / "no-run"), "--prompt", "hi"]) == 2
+    assert "does not exist" in capsys.readouterr().err
