@@ -218,6 +218,22 @@ def _write_checkpoint_files(directory: Path, model, metadata, optimizer_state, w
             os.fsync(f.fileno())
 
 
+def replace_directory(new: Path, final: Path) -> None:
+    """Rename the finished directory ``new`` to ``final``, replacing any old one.
+
+    rename() cannot replace a non-empty directory, so an old ``final`` is first moved aside
+    (one rename) and deleted after the new one is in place: readers see the old or the new.
+    """
+    old = None
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
+        os.replace(final, old / final.name)
+    os.replace(new, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(final.parent)
+
+
 def save_checkpoint(run_dir: Path, name: str, model, metadata: dict, optimizer_state: dict[str, mx.array],
                     window: dict[str, mx.array] | None, trainer_state: dict, config: dict) -> Path:
     """Write a checkpoint directory under a temporary name, rename it into place, point
@@ -227,14 +243,7 @@ def save_checkpoint(run_dir: Path, name: str, model, metadata: dict, optimizer_s
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=run_dir))
     try:
         _write_checkpoint_files(tmp, model, metadata, optimizer_state, window, trainer_state, config)
-        if final.exists():  # re-saving the same step (e.g. final after a resume): swap
-            old = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".old", dir=run_dir))
-            os.replace(final, old / name)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(run_dir)
+        replace_directory(tmp, final)  # re-saving a step (e.g. final after a resume) swaps
         link = run_dir / f".{LATEST}.{os.getpid()}.tmp"
         if link.is_symlink() or link.exists():
             link.unlink()

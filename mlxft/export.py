@@ -55,10 +55,7 @@ def export(adapter, fmt: str, out, *, model: str = "", overwrite: bool = False) 
     write = adapters.write_peft if fmt == "peft" else adapters.write_mlx
     if fmt == "peft":
         adapters.require_adapter(spec, "PEFT export")  # refuse before creating anything
-    try:
-        _write_atomically(out, overwrite, lambda tmp: write(weights, spec, tmp, model or ""))
-    except OSError as err:
-        raise UserError(f"{out}: cannot write the adapter ({err.strerror or err})") from None
+    _write_atomically(out, overwrite, lambda tmp: write(weights, spec, tmp, model or ""))
     return out
 
 

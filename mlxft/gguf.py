@@ -682,25 +682,23 @@ def _check_destination(out_dir: Path, overwrite: bool) -> None:
 def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> None:
     """Run ``write(tmp_dir)`` in a temp dir beside out_dir, then rename it into place.
 
-    A crash or error leaves out_dir as it was (a stale ``.name.tmp-*`` dir at worst); the only
-    window is between moving an old out_dir aside and renaming the new one in.
+    A crash or error leaves out_dir as it was (a stale ``.name.tmp-*`` dir at worst). Write
+    failures (a full disk, permissions) become one-line errors naming out_dir.
     """
+    from mlxft.checkpoint import replace_directory
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(out_dir, "tmp")
     try:
         write(tmp)
         _check_destination(out_dir, overwrite)  # it may have appeared while we worked
-        old = None
-        if out_dir.exists():
-            # rename() cannot replace a non-empty directory: move the old one aside first.
-            old = _sibling(out_dir, "old")
-            out_dir.rename(old / out_dir.name)
-        os.rename(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        replace_directory(tmp, out_dir)
+    except OSError as err:
+        raise UserError(f"{out_dir}: cannot write ({err.strerror or err}); check the path, its permissions "
+                        "and the free disk space") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _sibling(path: Path, tag: str) -> Path:
@@ -757,9 +755,5 @@ def convert_gguf(
         tokenizer.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
 
-    try:
-        _write_atomically(out_dir, overwrite, write)
-    except OSError as err:
-        raise UserError(f"{out_dir}: cannot write the model ({err.strerror or err}); check the "
-                        "path, its permissions and the free disk space") from None
+    _write_atomically(out_dir, overwrite, write)
     return out_dir

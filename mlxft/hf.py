@@ -20,7 +20,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxft.errors import UserError
 
 DEFAULT_SHARD_BYTES = 5 << 30
 # transformers class per model_type, for config.json's "architectures" when the base lacks it.
@@ -155,9 +154,5 @@ def save_hf_model(model: nn.Module, config: dict, tokenizer, out, *, dtype: str 
         if source_dir is not None and (Path(source_dir) / "generation_config.json").is_file():
             shutil.copy2(Path(source_dir) / "generation_config.json", tmp / "generation_config.json")
 
-    try:
-        _write_atomically(out, overwrite, write)
-    except OSError as err:
-        raise UserError(f"{out}: cannot write the model ({err.strerror or err}); check the path, its "
-                        "permissions and the free disk space") from None
+    _write_atomically(out, overwrite, write)
     return out

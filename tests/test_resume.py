@@ -15,7 +15,7 @@ import pytest
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlxft import RunConfig, Trainer, checkpoint, models
+from mlxft import RunConfig, Trainer, checkpoint
 from mlxft.errors import UserError
 from mlxft.step import LossScaler
 from mlxft.trainer import TrainingStopped

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ import mlx.core as mx
 from mlxft import RunConfig, Trainer, fine_tune
 from mlxft.checkpoint import load_adapter_weights
 
-from conftest import CHAT_ROWS, write_jsonl
+from conftest import write_jsonl
 
 RUN_FILES = {"adapters.safetensors", "adapter_config.json", "config.yaml", "training_state.json", "metrics.jsonl"}
 
