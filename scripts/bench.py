@@ -141,7 +141,7 @@ def run_mlxft(args, rows, val_rows):
             "adapter": {"targets": ["all"], "rank": args.rank, "alpha": 2.0 * args.rank},
             "optim": {"optimizer": "adam", "learning_rate": args.lr, "schedule": "constant", "max_grad_norm": 0.0},
             "train": {"output_dir": tmp, "batch_size": args.batch_size, "max_steps": args.steps,
-                      "log_every": args.steps - args.warmup, "backend": "none"},
+                      "log_every": args.steps - args.warmup, "backend": args.backend},
         })
         train_set = Dataset(Path("bench-train"), rows, "completion" if args.workload == "chat" else "text")
         trainer = Trainer(config, model, tokenizer=None, datasets=(train_set, None))
@@ -150,6 +150,10 @@ def run_mlxft(args, rows, val_rows):
         trainer.train()
         wall = time.perf_counter() - tic
         peak = mx.get_peak_memory() / 1e9
+        if not trainer.world.is_main:  # data-parallel: rank 0 reports
+            trainer.world.close()
+            return None
+        trainer.world.close()
         records = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if r["type"] == "train"][-1]
     result = {"trainer": "mlxft", "supervised_tokens_per_sec": last["supervised_tokens_per_sec"],
@@ -173,6 +177,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--grad-checkpoint", action="store_true", help="mlxft recomputes layer activations")
+    p.add_argument("--only", choices=("both", "mlxft", "mlx-lm"), default="both")
+    p.add_argument("--backend", default="none", help="mlxft's distributed backend (auto under mlx.launch)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.fixed_length:
@@ -182,11 +188,19 @@ def main() -> None:
     mx.clear_cache()
     rows = synthetic_rows(args.rows, vocab, args.workload, args.max_len, args.fixed_length, seed=0)
     val_rows = synthetic_rows(16, vocab, args.workload, args.max_len, args.fixed_length, seed=1)
+    runs = {"both": (run_mlx_lm, run_mlxft), "mlxft": (run_mlxft,), "mlx-lm": (run_mlx_lm,)}[args.only]
     results = []
-    for run in (run_mlx_lm, run_mlxft):
+    for run in runs:
         results.append(run(args, rows, val_rows))
         gc.collect()
         mx.clear_cache()
+    if None in results:
+        return
+    if len(results) == 1:
+        print(json.dumps(results[0]))
+        if args.out:
+            Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+        return
     base, ours = results
     summary = {
         "args": vars(args), "device": str(mx.default_device()), "machine": platform.machine(),
