@@ -3,7 +3,9 @@
     python scripts/bench.py --model builtin:smollm2-135m-instruct --workload chat
     python scripts/bench.py --model config:lfm2-1.2b --dtype bfloat16 --workload chat --fixed-length 512
 
-Both trainers get the same model (fresh copies), the same tokenized rows, LoRA rank 8 on every
+Each trainer runs in its own fresh process (same interpreter, MLX build, BLAS and flags; a
+shared process would count the first trainer's cached compiled graphs and weights against
+the second), and gets the same model, the same tokenized rows, LoRA rank 8 on every
 linear of every layer, the same batch size, seed, optimizer (Adam) and number of optimizer
 steps. mlx-lm runs `mlx_lm.tuner.trainer.train` with its compiled step and `default_loss`;
 mlxft runs its `Trainer`. Reported per trainer: supervised tokens/s and real (non-padding)
@@ -16,9 +18,9 @@ Workloads: ``chat`` (completion-only SFT, variable lengths, ~45% prompt) and ``t
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -183,24 +185,22 @@ def main() -> None:
     args = p.parse_args()
     if args.fixed_length:
         args.max_len = args.fixed_length
-    _, vocab = load_model(args.model, args.dtype) if args.model.startswith("config:") else (None, 49152)
-    gc.collect()
-    mx.clear_cache()
+    vocab = CONFIGS[args.model.split(":", 1)[1]]["vocab_size"] if args.model.startswith("config:") else 49152
     rows = synthetic_rows(args.rows, vocab, args.workload, args.max_len, args.fixed_length, seed=0)
     val_rows = synthetic_rows(16, vocab, args.workload, args.max_len, args.fixed_length, seed=1)
-    runs = {"both": (run_mlx_lm, run_mlxft), "mlxft": (run_mlxft,), "mlx-lm": (run_mlx_lm,)}[args.only]
+    if args.only != "both":
+        result = (run_mlxft if args.only == "mlxft" else run_mlx_lm)(args, rows, val_rows)
+        if result is not None:  # None: a data-parallel rank other than 0
+            print("RESULT " + json.dumps(result))
+        return
     results = []
-    for run in runs:
-        results.append(run(args, rows, val_rows))
-        gc.collect()
-        mx.clear_cache()
-    if None in results:
-        return
-    if len(results) == 1:
-        print(json.dumps(results[0]))
-        if args.out:
-            Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
-        return
+    for only in ("mlx-lm", "mlxft"):
+        argv = [a for a in sys.argv[1:]] + ["--only", only]
+        proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            sys.exit(f"{only} run failed:\n{proc.stderr[-3000:]}")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
     base, ours = results
     summary = {
         "args": vars(args), "device": str(mx.default_device()), "machine": platform.machine(),
