@@ -179,7 +179,10 @@ class Trainer:
             while self.step_count < self.total_steps:
                 batches = data.epoch_batches(self.train_set.lengths, t.batch_size, t.seed, self.epoch)
                 while self.batch_index < len(batches) and self.step_count < self.total_steps:
-                    if self.world.any(self.stop.requested):  # every rank stops at the same micro-batch
+                    # Every rank stops at the same micro-batch. With several ranks only between
+                    # windows: an open window holds each rank's own partial gradients.
+                    at_boundary = self.window is None or self.world.size == 1
+                    if at_boundary and self.world.any(self.stop.requested):
                         self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
                         path = self.save_checkpoint("emergency")
                         raise TrainingStopped(f"stopped by {self.stop.name} at step {self.step_count}; saved {path}; "
