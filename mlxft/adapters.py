@@ -450,6 +450,16 @@ def base_model_name(model: str | None, spec: AdapterSpec | None) -> str:
     return builtin.resolve(name)
 
 
+def add_model_arguments(parser) -> None:
+    """The --model / --adapter / --dtype flags of the CLIs that load through :func:`load_with_adapter`."""
+    parser.add_argument("--model", metavar="BASE",
+                        help="base model directory or hub id (default: the base recorded in --adapter)")
+    parser.add_argument("--adapter", metavar="DIR",
+                        help="run directory, checkpoint, mlx-lm or PEFT adapter directory (omit for the base alone)")
+    parser.add_argument("--dtype", choices=("auto", *models.DTYPES), default="auto",
+                        help="compute dtype (auto: float32 on the CPU, bfloat16 on a GPU)")
+
+
 def load_with_adapter(model: str | None, adapter: str | None, dtype: str = "auto") -> Loaded:
     """Load the base (as the adapter was trained: an mlxft run's quantization is reused), put
     the adapter on it, and take the tokenizer the run saved (else the base's)."""

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxft.adapters import add_model_arguments
 from mlxft.errors import UserError, run_cli
 
 
@@ -32,10 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mlxft.evaluate",
         description="Token-weighted loss and perplexity of a base model, with an optional adapter, on a JSONL set.")
-    parser.add_argument("--model", metavar="BASE",
-                        help="base model directory or hub id (default: the base recorded in --adapter)")
-    parser.add_argument("--adapter", metavar="DIR",
-                        help="run directory, checkpoint, mlx-lm or PEFT adapter directory (omit for the base alone)")
+    add_model_arguments(parser)
     parser.add_argument("--data", required=True,
                         help="a JSONL file, or a directory holding test.jsonl (else valid.jsonl)")
     parser.add_argument("--batch-size", type=int, default=4, help="rows per forward pass (default 4)")
@@ -45,8 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default="auto",
                         help="how prompt/completion rows are rendered (as in training; default auto)")
     parser.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0 = all)")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="compute dtype (auto: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     return parser

@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import Iterator
 
+from mlxft.adapters import add_model_arguments
 from mlxft.errors import UserError, run_cli
 
 
@@ -20,10 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mlxft.generate",
         description="Generate text from a base model with an adapter (mlxft run, mlx-lm or PEFT), streaming it.")
-    parser.add_argument("--model", metavar="BASE",
-                        help="base model directory or hub id (default: the base recorded in --adapter)")
-    parser.add_argument("--adapter", metavar="DIR",
-                        help="run directory, checkpoint, mlx-lm or PEFT adapter directory (omit for the base alone)")
+    add_model_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the user message ('-' reads it from standard input)")
     parser.add_argument("--system", default="", help="a system message to put before the prompt")
     parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default="auto",
@@ -33,8 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0 = off)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="compute dtype (auto: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--verbose", action="store_true", help="print prompt and generation speed to stderr")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     return parser

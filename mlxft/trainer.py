@@ -186,7 +186,7 @@ class Trainer:
                         self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
                         path = self.save_checkpoint("emergency")
                         raise TrainingStopped(f"stopped by {self.stop.name} at step {self.step_count}; saved {path}; "
-                                              "continue with --resume latest", 128 + (self.stop.signum or 0), path)
+                                              "continue with --resume latest", 128 + self.stop.signum, path)
                     self._micro_step(batches)
                 if self.batch_index >= len(batches):
                     self.epoch, self.batch_index = self.epoch + 1, 0

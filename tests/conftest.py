@@ -88,6 +88,14 @@ def lfm2_dir(tmp_path_factory) -> Path:
     return write_model(tmp_path_factory.mktemp("lfm2"), LFM2_CONFIG)
 
 
+@pytest.fixture(scope="session")
+def runs_root(tmp_path_factory):
+    """Where the adapter tests share the runs they train (see tests/adapter_runs.py)."""
+    root = tmp_path_factory.getbasetemp() / "adapter-runs"
+    root.mkdir(exist_ok=True)
+    return root
+
+
 @pytest.fixture(params=["llama", "lfm2"])
 def model_dir(request, llama_dir, lfm2_dir) -> Path:
     return {"llama": llama_dir, "lfm2": lfm2_dir}[request.param]

@@ -21,13 +21,6 @@ from adapter_runs import base_model, logits, max_rel_diff, mlx_lm_run, synthetic
 from conftest import LLAMA_CONFIG, write_model
 
 
-@pytest.fixture(scope="session")
-def runs_root(tmp_path_factory):
-    root = tmp_path_factory.getbasetemp() / "adapter-runs"
-    root.mkdir(exist_ok=True)
-    return root
-
-
 def as_numpy(weights):
     return {k: np.array(v.astype(mx.float32)) for k, v in weights.items()}
 

@@ -15,13 +15,6 @@ from mlxft.fuse import fuse, main as fuse_main
 from adapter_runs import adapted, base_model, logits, max_rel_diff, synthetic_run, trained_run
 
 
-@pytest.fixture(scope="session")
-def runs_root(tmp_path_factory):
-    root = tmp_path_factory.getbasetemp() / "adapter-runs"
-    root.mkdir(exist_ok=True)
-    return root
-
-
 def mlx_lm_logits(path):
     """Logits of the model mlx-lm's loader makes of a directory (its tokenizer aside)."""
     from mlx_lm.utils import load_model

@@ -16,13 +16,6 @@ from mlxft.generation import prompt_ids
 from adapter_runs import data_dir, trained_run
 
 
-@pytest.fixture(scope="session")
-def runs_root(tmp_path_factory):
-    root = tmp_path_factory.getbasetemp() / "adapter-runs"
-    root.mkdir(exist_ok=True)
-    return root
-
-
 def test_generate_cli_streams_the_adapted_models_greedy_answer(llama_dir, runs_root):
     from mlx_lm import generate
 

@@ -29,13 +29,6 @@ TOLERANCE = 1e-5  # relative to the largest logit; measured ~1e-6 (float32 in bo
 _HF_BASES = {}
 
 
-@pytest.fixture(scope="session")
-def runs_root(tmp_path_factory):
-    root = tmp_path_factory.getbasetemp() / "adapter-runs"
-    root.mkdir(exist_ok=True)
-    return root
-
-
 def hf_base(model_dir, root):
     """The test base re-written in Hugging Face layout (mlxft.fuse without an adapter)."""
     if str(model_dir) not in _HF_BASES:
