@@ -79,6 +79,11 @@ class DataConfig:
     valid_file: str = _opt("", "Explicit validation JSONL path (default: valid.jsonl beside train).")
     max_seq_length: int = _opt(2048, "Truncate sequences to this many tokens.")
     length_bucket: int = _opt(64, "Pad batches to a multiple of this length to bound compiled shapes.")
+    pack: bool = _opt(
+        False,
+        "Lay each micro-batch's rows end to end in as few sequences as fit (llama/lfm2 families); every row "
+        "stays an isolated document, so the loss equals the unpacked batch's with less padding computed.",
+    )
     completion_only: bool = _opt(
         True, "Supervise only completions / assistant turns (SFT shapes); --no-completion-only trains on all."
     )

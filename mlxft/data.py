@@ -292,7 +292,9 @@ class Batch:
 
     ``positions`` index the flattened ``[B * T]`` inputs whose next token is supervised;
     ``targets`` and ``weights`` belong to those positions. Both lengths are padded to the
-    bucket (weight 0), so the compiled step sees a bounded set of shapes.
+    bucket (weight 0), so the compiled step sees a bounded set of shapes. A packed batch
+    also carries each token's position inside its document and its document (segment) id,
+    both ``[B, T]`` (see :mod:`mlxft.packing`).
     """
 
     inputs: np.ndarray
@@ -300,6 +302,8 @@ class Batch:
     targets: np.ndarray
     weights: np.ndarray
     real_tokens: int
+    doc_positions: np.ndarray | None = None
+    segments: np.ndarray | None = None
 
     @property
     def supervised(self) -> int:
@@ -308,24 +312,39 @@ class Batch:
     def arrays(self):
         import mlx.core as mx
 
-        return (mx.array(self.inputs), mx.array(self.positions), mx.array(self.targets), mx.array(self.weights))
+        arrays = [self.inputs, self.positions, self.targets, self.weights]
+        if self.doc_positions is not None:
+            arrays += [self.doc_positions, self.segments]
+        return tuple(mx.array(a) for a in arrays)
 
 
-def make_batch(examples: list[Example], batch_size: int, bucket: int) -> Batch:
+def make_batch(examples: list[Example], batch_size: int, bucket: int, pack: bool = False) -> Batch:
     """Pad ``examples`` (at most ``batch_size``) to ``[batch_size, T]`` with T a bucket multiple.
 
-    No examples (a data-parallel rank's share of a short last batch) gives an all-padding batch."""
-    width = round_up(max((len(e.ids) for e in examples), default=1) - 1, bucket)
-    inputs = np.zeros((batch_size, width), dtype=np.int32)
+    With ``pack`` the rows are laid end to end in as few sequences of width T as they fit
+    (when that saves any), each remaining an isolated document. No examples (a data-parallel
+    rank's share of a short last batch) gives an all-padding batch."""
+    lengths = [len(e.ids) - 1 for e in examples]
+    width = round_up(max(lengths, default=1), bucket)
+    layout = None
+    if pack and len(examples) > 1:
+        from mlxft.packing import pack_layout
+
+        layout = pack_layout(lengths, width)
+        if len(layout[0]) == len(examples):  # one row per sequence: nothing to gain
+            layout = None
+    bins = layout[0] if layout else [[i] for i in range(len(examples))]
+    inputs = np.zeros((len(bins) if layout else batch_size, width), dtype=np.int32)
     positions, targets = [], []
-    real = 0
-    for row, e in enumerate(examples):
-        n = len(e.ids) - 1
-        inputs[row, :n] = e.ids[:-1]
-        real += n
-        supervised = np.nonzero(e.mask[1:])[0]
-        positions.append(row * width + supervised)
-        targets.append(e.ids[1:][supervised])
+    for row, members in enumerate(bins):
+        start = 0
+        for i in members:
+            e, n = examples[i], lengths[i]
+            inputs[row, start:start + n] = e.ids[:-1]
+            supervised = np.nonzero(e.mask[1:])[0]
+            positions.append(row * width + start + supervised)
+            targets.append(e.ids[1:][supervised])
+            start += n
     positions = np.concatenate(positions or [np.zeros(0)]).astype(np.int32)
     targets = np.concatenate(targets or [np.zeros(0)]).astype(np.int32)
     count = round_up(len(positions), bucket)
@@ -333,4 +352,7 @@ def make_batch(examples: list[Example], batch_size: int, bucket: int) -> Batch:
     weights = np.concatenate([np.ones(len(positions), np.float32), np.zeros(pad, np.float32)])
     positions = np.concatenate([positions, np.zeros(pad, np.int32)])
     targets = np.concatenate([targets, np.zeros(pad, np.int32)])
-    return Batch(inputs, positions, targets, weights, real)
+    batch = Batch(inputs, positions, targets, weights, sum(lengths))
+    if layout:
+        batch.doc_positions, batch.segments = layout[1], layout[2]
+    return batch

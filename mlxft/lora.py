@@ -93,7 +93,32 @@ def apply(model: nn.Module, config: AdapterConfig, seed: int) -> list[str]:
         )
     except ValueError as err:
         raise UserError(f"config field adapter.finetune: {err}") from err
+    compute_lora_in_input_dtype(model)
     return targets
+
+
+def _lora_in_input_dtype(self, x):
+    # mlx-lm's LoRALinear multiplies a bf16/fp16 ``x`` by float32 adapters, which promotes
+    # ``x`` to float32 and keeps that copy alive for the backward pass of every adapted
+    # layer. Casting the (small) adapters to the input's dtype instead keeps activations in
+    # the compute dtype; the parameters, their gradients and the optimizer state stay float32.
+    y = self.linear(x)
+    z = (self.dropout(x) @ self.lora_a.astype(x.dtype)) @ self.lora_b.astype(x.dtype)
+    return y + (self.scale * z).astype(x.dtype)
+
+
+def compute_lora_in_input_dtype(model: nn.Module) -> None:
+    """Make every mlx-lm ``LoRALinear`` of ``model`` compute in its input's dtype.
+
+    Each layer instance gets a subclass overriding ``__call__`` (parameter names unchanged;
+    other models sharing the class are unaffected). A float32 model computes exactly as before.
+    """
+    from mlx_lm.tuner.lora import LoRALinear
+
+    for _, module in model.named_modules():
+        cls = type(module)
+        if isinstance(module, LoRALinear) and cls.__call__ is LoRALinear.__call__:
+            module.__class__ = type(cls.__name__, (cls,), {"__call__": _lora_in_input_dtype})
 
 
 def _unfreeze(model: nn.Module, layers: list[nn.Module], config: AdapterConfig) -> list[str]:

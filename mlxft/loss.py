@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxft import packing
 from mlxft.models import hidden_states, output_head
 
 
@@ -23,16 +24,23 @@ def cross_entropy(logits: mx.array, targets: mx.array, weights: mx.array, label_
     return (ce * weights).sum() / mx.maximum(ntokens, 1), ntokens
 
 
-def supervised_logits(model: nn.Module, inputs: mx.array, positions: mx.array) -> mx.array:
-    """Logits ``[N, vocab]`` at the flattened ``positions`` of ``inputs`` ``[B, T]``."""
+def supervised_logits(model: nn.Module, inputs: mx.array, positions: mx.array, doc_positions=None, segments=None):
+    """Logits ``[N, vocab]`` at the flattened ``positions`` of ``inputs`` ``[B, T]``.
+
+    ``doc_positions`` and ``segments`` describe a packed batch (see :mod:`mlxft.packing`)."""
     head = output_head(model)
-    if head is None:
+    if doc_positions is not None:
+        hidden = packing.hidden_states(model, inputs, doc_positions, segments)
+    elif head is None:
         logits = model(inputs)
         return logits.reshape(-1, logits.shape[-1])[positions]
-    hidden = hidden_states(model, inputs)
+    else:
+        hidden = hidden_states(model, inputs)
     return head(hidden.reshape(-1, hidden.shape[-1])[positions])
 
 
-def loss_fn(model: nn.Module, inputs, positions, targets, weights, label_smoothing: float = 0.0):
+def loss_fn(model: nn.Module, inputs, positions, targets, weights, doc_positions=None, segments=None,
+            label_smoothing: float = 0.0):
     """``(loss, ntokens)`` of one batch: the loss the trainer differentiates and reports."""
-    return cross_entropy(supervised_logits(model, inputs, positions), targets, weights, label_smoothing)
+    logits = supervised_logits(model, inputs, positions, doc_positions, segments)
+    return cross_entropy(logits, targets, weights, label_smoothing)

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from mlxft import _blas, builtin, checkpoint, data, distributed, generation, lora, models
+from mlxft import _blas, builtin, checkpoint, data, distributed, generation, lora, models, packing
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError
 from mlxft.loss import loss_fn
@@ -101,6 +101,8 @@ class Trainer:
             self.targets = start_from(model, config.adapter, config.adapter.init_adapter, t.seed)
         else:
             self.targets = lora.apply(model, config.adapter, t.seed)
+        if config.data.pack:
+            packing.enable(model)
         if config.model.grad_checkpoint:
             models.checkpoint_layers(model)
         self.world.heartbeat()
@@ -158,7 +160,7 @@ class Trainer:
         """This rank's share of the global batch ``indices``, padded to its fixed row count."""
         rows = [dataset.examples[i] for i in self.world.shard(indices)]
         per_rank = self.config.train.batch_size // self.world.size
-        return data.make_batch(rows, per_rank, self.config.data.length_bucket)
+        return data.make_batch(rows, per_rank, self.config.data.length_bucket, pack=self.config.data.pack)
 
     def train(self) -> TrainResult:
         """Train to the last step; raises :class:`TrainingStopped` after an emergency save."""

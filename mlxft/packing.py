@@ -1,0 +1,135 @@
+"""Sequence packing with per-document isolation, on top of mlx-lm's own layers.
+
+Packing lays the rows of a micro-batch end to end in as few sequences as possible, so the
+step computes on real tokens instead of padding. Each row stays a document of its own:
+attention gets a block-diagonal causal mask, rotary positions restart at every document
+start, and LFM2's short convolutions read no token of the previous document. The loss and
+gradients therefore equal those of the unpacked micro-batch (tests check this).
+
+mlx-lm's layers take ``(x, mask, cache)``; the cache is the one channel through which they
+read positions (``rope(x, offset=cache.offset)``). :class:`DocumentLayout` rides on it: its
+``offset`` holds each token's position inside its document and it hands keys and values
+back untouched. Attention rotary modules are wrapped to apply per-token offsets, and LFM2's
+``ShortConv`` gets a subclass with a boundary-aware convolution; parameter names do not change.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxft.errors import UserError
+
+SUPPORTED_FAMILIES = ("llama", "lfm2")
+
+
+class DocumentLayout:
+    """Per-token document positions ``[B, T]`` and the attention mask ``[B, 1, T, T]``."""
+
+    def __init__(self, positions: mx.array, segments: mx.array):
+        self.offset = positions
+        same_document = segments[:, :, None] == segments[:, None, :]
+        steps = mx.arange(segments.shape[1])
+        self.mask = (same_document & (steps[:, None] >= steps[None, :]))[:, None]
+
+    def update_and_fetch(self, keys, values):
+        return keys, values
+
+
+class DocumentRoPE(nn.Module):
+    """A rotary embedding applied at per-token positions when given a ``[B, T]`` offset."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x, offset=0):
+        if not (isinstance(offset, mx.array) and offset.ndim == 2):
+            return self.inner(x, offset=offset)
+        # mx.fast.rope takes one offset per batch entry: make every token its own entry.
+        batch, heads, length, dims = x.shape
+        tokens = x.transpose(0, 2, 1, 3).reshape(batch * length, heads, 1, dims)
+        rotated = self.inner(tokens, offset=offset.reshape(-1))
+        return rotated.reshape(batch, length, heads, dims).transpose(0, 2, 1, 3)
+
+
+def _document_short_conv(self, x, mask=None, cache=None):
+    if not isinstance(cache, DocumentLayout):
+        return type(self).__mro__[1].__call__(self, x, mask=mask, cache=cache)
+    b, c, h = mx.split(self.in_proj(x), 3, axis=-1)
+    bx = b * h
+    weight = self.conv.weight  # [channels, kernel, 1]: tap j reads (kernel - 1 - j) steps back
+    kernel, length = weight.shape[1], bx.shape[1]
+    out = bx * weight[:, kernel - 1, 0]
+    for back in range(1, kernel):
+        shifted = mx.pad(bx, [(0, 0), (back, 0), (0, 0)])[:, :length]
+        inside = (cache.offset >= back)[..., None]  # the token `back` steps earlier is in this document
+        out = out + mx.where(inside, shifted, 0) * weight[:, kernel - 1 - back, 0]
+    if "bias" in self.conv:
+        out = out + self.conv.bias
+    return self.out_proj(c * out)
+
+
+def check_supported(model: nn.Module) -> None:
+    family = getattr(model, "model_type", "")
+    if family not in SUPPORTED_FAMILIES:
+        raise UserError(f"config field data.pack: packing supports the {'/'.join(SUPPORTED_FAMILIES)} families, "
+                        f"not {family or type(model).__name__}; drop --pack")
+
+
+def enable(model: nn.Module) -> None:
+    """Let ``model``'s layers honour a :class:`DocumentLayout` (idempotent)."""
+    check_supported(model)
+    for layer in model.layers:
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None and not isinstance(attention.rope, DocumentRoPE):
+            attention.rope = DocumentRoPE(attention.rope)
+        conv = getattr(layer, "conv", None)
+        if conv is not None and not getattr(type(conv), "_mlxft_documents", False):
+            cls = type(conv)
+            conv.__class__ = type(cls.__name__, (cls,), {"__call__": _document_short_conv, "_mlxft_documents": True})
+
+
+def hidden_states(model: nn.Module, inputs: mx.array, positions: mx.array, segments: mx.array) -> mx.array:
+    """The body's final normalized hidden states of a packed batch (see :func:`enable`)."""
+    body = model.model
+    layout = DocumentLayout(positions, segments)
+    h = body.embed_tokens(inputs)
+    for layer in body.layers:
+        is_attention = getattr(layer, "is_attention_layer", hasattr(layer, "self_attn"))
+        h = layer(h, layout.mask if is_attention else None, cache=layout)
+    norm = body.norm if "norm" in body else body.embedding_norm
+    return norm(h)
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices, each summing to at most ``capacity``; deterministic."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def pack_layout(lengths: list[int], width: int) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+    """Bins for rows of ``lengths`` tokens in sequences of ``width``, with per-token document
+    positions and segment ids ``[n_bins, width]``; a bin's padding tail is one more segment."""
+    bins = first_fit_decreasing(lengths, width)
+    positions = np.zeros((len(bins), width), np.int32)
+    segments = np.zeros((len(bins), width), np.int32)
+    for row, members in enumerate(bins):
+        start = 0
+        for segment, i in enumerate(members + [None]):
+            n = lengths[i] if i is not None else width - start
+            positions[row, start:start + n] = np.arange(n)
+            segments[row, start:start + n] = segment
+            start += n
+    return bins, positions, segments
