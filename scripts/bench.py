@@ -136,10 +136,12 @@ def run_mlxft(args, rows, val_rows):
     from mlxft.trainer import Trainer
 
     model, _ = load_model(args.model, args.dtype)
+    if args.lora_float32:  # measure the lever: mlx-lm's float32 LoRA arithmetic
+        lora.compute_lora_in_input_dtype = lambda model: None
     with tempfile.TemporaryDirectory() as tmp:
         config = RunConfig.from_dict({
             "model": {"model": args.model, "grad_checkpoint": args.grad_checkpoint},
-            "data": {"data": "in-memory", "length_bucket": 32, "max_seq_length": args.max_len + 1},
+            "data": {"data": "in-memory", "length_bucket": 32, "max_seq_length": args.max_len + 1, "pack": args.pack},
             "adapter": {"targets": ["all"], "rank": args.rank, "alpha": 2.0 * args.rank},
             "optim": {"optimizer": "adam", "learning_rate": args.lr, "schedule": "constant", "max_grad_norm": 0.0},
             "train": {"output_dir": tmp, "batch_size": args.batch_size, "max_steps": args.steps,
@@ -179,6 +181,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--grad-checkpoint", action="store_true", help="mlxft recomputes layer activations")
+    p.add_argument("--pack", action="store_true", help="mlxft packs each micro-batch's rows (same rows, same loss)")
+    p.add_argument("--lora-float32", action="store_true", help="mlxft computes LoRA in float32 as mlx-lm does")
     p.add_argument("--only", choices=("both", "mlxft", "mlx-lm"), default="both")
     p.add_argument("--backend", default="none", help="mlxft's distributed backend (auto under mlx.launch)")
     p.add_argument("--out", default="")
