@@ -6,7 +6,7 @@ set -euo pipefail
 out=${1:-benchmarks}
 mkdir -p "$out"
 common=(--dtype bfloat16 --batch-size 8 --rows 128 --steps 30 --warmup 10)
-for model in lfm2-1.2b llama-3.2-1b; do
+for model in ${MODELS:-lfm2-1.2b llama-3.2-1b}; do
   python3 scripts/bench.py --model config:$model "${common[@]}" --workload chat --fixed-length 512 \
     --out "$out/bench-$model-fixed512.json"
   python3 scripts/bench.py --model config:$model "${common[@]}" --workload chat --max-len 512 --pack \
