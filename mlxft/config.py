@@ -142,6 +142,19 @@ class TrainConfig:
     dist_timeout: float = _opt(
         600.0, "Seconds a rank may wait for its peers (start-up, or no progress) before exiting with an error."
     )
+    memory_limit: float = _opt(
+        0.0, "MLX's memory limit in GB (it waits on pending work, then fails, past it); 0 = MLX's default "
+             "(1.5x the recommended working set on Metal)."
+    )
+    cache_limit: float = _opt(-1.0, "MLX's allocator-cache limit in GB; -1 = MLX's default.")
+    clear_cache_above: float = _opt(
+        -1.0, "Return the allocator cache to the system after each step once it holds more than this many GB; "
+              "-1 = never. 0 lowers the peak (cached buffers reused for smaller requests inflate it) at a "
+              "throughput cost: on CUDA -32% peak, -43% tokens/s for LFM2-1.2B.",
+    )
+    memory_estimate: bool = _opt(
+        True, "Before training, estimate peak memory by probing one and two layers at the batch shape."
+    )
     force: bool = _opt(False, "Resume even when harmless settings differ from the checkpoint's (model name, "
                               "sequence length, alpha, dropout, seed, batch size, accumulation).")
 
@@ -306,6 +319,9 @@ def validate(config: RunConfig) -> None:
     need(t.max_steps >= 0, "train.max_steps", "must be >= 0 (0 = train by epochs)")
     need(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
     need(t.grad_accum_steps >= 1, "train.grad_accum_steps", f"must be >= 1, got {t.grad_accum_steps}")
+    need(t.memory_limit >= 0, "train.memory_limit", "must be >= 0 GB (0 = MLX's default)")
+    need(t.cache_limit >= 0 or t.cache_limit == -1, "train.cache_limit", "must be >= 0 GB, or -1 for MLX's default")
+    need(t.clear_cache_above >= 0 or t.clear_cache_above == -1, "train.clear_cache_above", "must be >= 0 GB, or -1 (never)")
     need(o.max_nonfinite_steps >= 0, "optim.max_nonfinite_steps", "must be >= 0")
     for name in ("eval_every", "save_every", "max_eval_batches", "exact_match_rows", "keep_checkpoints"):
         need(getattr(t, name) >= 0, f"train.{name}", "must be >= 0")

@@ -347,7 +347,9 @@ def make_batch(examples: list[Example], batch_size: int, bucket: int, pack: bool
             start += n
     positions = np.concatenate(positions or [np.zeros(0)]).astype(np.int32)
     targets = np.concatenate(targets or [np.zeros(0)]).astype(np.int32)
-    count = round_up(len(positions), bucket)
+    # Supervised counts padded to a quarter of the batch's token grid: at most four compiled
+    # shapes per width (a bucket-sized grid gave dozens) for head work on at most B*T/4 more rows.
+    count = round_up(len(positions), max(bucket, round_up(inputs.size // 4, bucket)))
     pad = count - len(positions)
     weights = np.concatenate([np.ones(len(positions), np.float32), np.zeros(pad, np.float32)])
     positions = np.concatenate([positions, np.zeros(pad, np.int32)])

@@ -21,10 +21,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from mlxft import _blas, builtin, checkpoint, data, distributed, generation, lora, models, packing
+from mlxft import _blas, builtin, checkpoint, data, distributed, generation, lora, memory, models, packing
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError
-from mlxft.loss import loss_fn
+from mlxft.loss import cross_entropy, loss_fn
 from mlxft.optim import build_optimizer
 from mlxft.report import Reporter
 from mlxft.signals import StopRequests
@@ -44,7 +44,7 @@ class TrainResult:
 
 
 class TrainingStopped(Exception):
-    """The run stopped early (signal, or gradients that stay non-finite) after saving."""
+    """The run stopped early: a signal or gradients that stay non-finite (after saving), or out of memory."""
 
     def __init__(self, message: str, exit_code: int, checkpoint: Path | None):
         super().__init__(message)
@@ -76,6 +76,9 @@ class Trainer:
         self.config = config
         t = config.train
         self.world = world or distributed.init(t.backend, t.dist_timeout)
+        self.memory_settings = memory.configure(t.memory_limit, t.cache_limit)
+        self.estimate: memory.Estimate | None = None
+        self.warned_over_limit = False
         if t.batch_size % self.world.size:
             raise UserError(f"config field train.batch_size: {t.batch_size} rows cannot be split evenly over "
                             f"{self.world.size} ranks; use a multiple of {self.world.size}")
@@ -143,18 +146,43 @@ class Trainer:
 
     def _describe(self) -> None:
         trainable, total = models.count_parameters(self.model)
-        device = mx.default_device()
-        kind = "CPU" if device == mx.cpu else ("Metal" if mx.metal.is_available() else "GPU")
         info = self.reporter.info
         if _blas.uses_reference_blas():
             info(f"warning: {_blas.HINT}")
-        info(f"device: {kind} | model: {self.config.model.model} ({models.family(self.model)}) | "
+        info(f"device: {memory.device_description()} | model: {self.config.model.model} ({models.family(self.model)}) | "
              f"{self.config.adapter.finetune} on {', '.join(self.targets)}")
         info(f"trainable parameters: {trainable:,} / {total:,} ({100 * trainable / max(total, 1):.3f}%)")
         info(f"data: {len(self.train_set)} train rows ({self.train_set.kind}, {self.train_set.supervised_tokens:,} supervised tokens)"
              + (f", {len(self.valid_set)} valid rows" if self.valid_set else ", no validation set")
              + f" | {self.total_steps} steps"
              + (f" | {self.world.size} data-parallel ranks" if self.world.size > 1 else ""))
+        info(f"memory: {self.memory_settings}")
+        if self.config.train.memory_estimate:
+            self.estimate = self.estimate_memory()
+            limit = mx.get_memory_limit()
+            info(f"estimated peak memory: {self.estimate.describe()}")
+            if self.estimate.total > limit:
+                info(f"warning: the estimate exceeds the memory limit of {limit / memory.GB:.1f} GB; "
+                     + memory.advice(self.config))
+
+    def estimate_memory(self) -> memory.Estimate:
+        """Peak memory of this run's largest micro-batch (see :func:`mlxft.memory.estimate`)."""
+        c, examples = self.config, self.train_set.examples
+        per_rank = c.train.batch_size // self.world.size
+        longest = max(len(e.ids) for e in examples) - 1
+        length = data.round_up(longest, c.data.length_bucket)
+        supervised = sorted((int(e.mask[1:].sum()) for e in examples), reverse=True)[:per_rank]
+        moments = {"sgd": int(c.optim.momentum > 0), "adam": 2, "adamw": 2}[c.optim.optimizer]
+        head = models.output_head(self.model)
+        if head is None:  # whole logits; count the vocabulary-sized float32 tensors of the loss instead
+            head = lambda h: mx.zeros((h.shape[0], self.model.args.vocab_size), mx.float32) + h.sum()  # noqa: E731
+        targets = mx.zeros((data.round_up(sum(supervised), c.data.length_bucket),), mx.int32)
+        weights = mx.ones(targets.shape)
+        estimate = memory.estimate(
+            self.model, per_rank, length, targets.size, moments, c.train.grad_accum_steps > 1, c.data.pack,
+            head, lambda logits: cross_entropy(logits, targets, weights, c.optim.label_smoothing)[0])
+        mx.reset_peak_memory()
+        return estimate
 
     def batch(self, dataset: data.Dataset, indices) -> data.Batch:
         """This rank's share of the global batch ``indices``, padded to its fixed row count."""
@@ -167,6 +195,11 @@ class Trainer:
         try:
             return self._train()
         except RuntimeError as err:
+            if memory.is_out_of_memory(err):
+                raise TrainingStopped(
+                    f"out of memory at step {self.step_count + 1} ({str(err).splitlines()[0]}); "
+                    + memory.advice(self.config) + "; then --resume latest to continue from the last checkpoint",
+                    1, None) from err
             if self.world.size == 1:
                 raise
             raise distributed.PeerLost(f"rank {self.world.rank}: {str(err).splitlines()[0]}; another rank failed "
@@ -217,7 +250,17 @@ class Trainer:
         self.batch_index += 1
         self.window_real_tokens += batch.real_tokens
         if update:
+            memory.release_cache(self.config.train.clear_cache_above)
+            self._check_memory_limit()
             self._finish_step(result)
+
+    def _check_memory_limit(self) -> None:
+        peak, limit = mx.get_peak_memory(), mx.get_memory_limit()
+        if peak > limit and not self.warned_over_limit:
+            self.warned_over_limit = True
+            self.reporter.info(f"warning: peak memory {peak / memory.GB:.2f} GB passed the memory limit of "
+                               f"{limit / memory.GB:.2f} GB, so MLX waits for memory and may swap; "
+                               + memory.advice(self.config))
 
     def _finish_step(self, result) -> None:
         self.step_count += 1

@@ -145,7 +145,8 @@ def run_mlxft(args, rows, val_rows):
             "adapter": {"targets": ["all"], "rank": args.rank, "alpha": 2.0 * args.rank},
             "optim": {"optimizer": "adam", "learning_rate": args.lr, "schedule": "constant", "max_grad_norm": 0.0},
             "train": {"output_dir": tmp, "batch_size": args.batch_size, "max_steps": args.steps,
-                      "log_every": args.steps - args.warmup, "backend": args.backend},
+                      "log_every": args.steps - args.warmup, "backend": args.backend,
+                      "clear_cache_above": args.clear_cache_above},
         })
         train_set = Dataset(Path("bench-train"), rows, "completion" if args.workload == "chat" else "text")
         trainer = Trainer(config, model, tokenizer=None, datasets=(train_set, None))
@@ -162,7 +163,8 @@ def run_mlxft(args, rows, val_rows):
     last = [r for r in records if r["type"] == "train"][-1]
     result = {"trainer": "mlxft", "supervised_tokens_per_sec": last["supervised_tokens_per_sec"],
               "tokens_per_sec": last["tokens_per_sec"], "peak_memory_gb": peak, "train_loss": last["loss"],
-              "val_loss": common_val_loss(trainer.model, val_rows, args.batch_size), "wall_s": wall}
+              "val_loss": common_val_loss(trainer.model, val_rows, args.batch_size), "wall_s": wall,
+              "estimated_peak_memory_gb": trainer.estimate.total / 1e9}
     del trainer, model
     return result
 
@@ -183,6 +185,7 @@ def main() -> None:
     p.add_argument("--grad-checkpoint", action="store_true", help="mlxft recomputes layer activations")
     p.add_argument("--pack", action="store_true", help="mlxft packs each micro-batch's rows (same rows, same loss)")
     p.add_argument("--lora-float32", action="store_true", help="mlxft computes LoRA in float32 as mlx-lm does")
+    p.add_argument("--clear-cache-above", type=float, default=-1.0, help="mlxft's train.clear_cache_above (GB)")
     p.add_argument("--only", choices=("both", "mlxft", "mlx-lm"), default="both")
     p.add_argument("--backend", default="none", help="mlxft's distributed backend (auto under mlx.launch)")
     p.add_argument("--out", default="")

@@ -15,4 +15,6 @@ for model in ${MODELS:-lfm2-1.2b llama-3.2-1b}; do
     --grad-checkpoint --only mlxft | sed "s/^RESULT /RESULT grad-checkpoint $model /"
   python3 scripts/bench.py --model config:$model "${common[@]}" --workload chat --fixed-length 512 \
     --lora-float32 --only mlxft | sed "s/^RESULT /RESULT lora-float32 $model /"
+  python3 scripts/bench.py --model config:$model "${common[@]}" --workload chat --fixed-length 512 \
+    --clear-cache-above 0 --only mlxft | sed "s/^RESULT /RESULT clear-cache $model /"
 done

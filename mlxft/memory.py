@@ -1,0 +1,169 @@
+"""Device memory: which device, MLX's limits, the allocator cache, and the pre-run estimate.
+
+Everything goes through MLX's device-neutral memory API, so Metal, CUDA and the CPU share
+one path; only the wired limit is Metal's alone (unified memory that must stay resident).
+
+The peak-memory estimate adds what is known exactly (weights, adapters, their gradients
+and optimizer moments) to what is measured on the device at the run's batch shape: one
+forward and backward pass through one and through two copies of each kind of layer (the
+difference is what each further layer keeps for the backward pass) and through the output
+head and loss at the largest supervised-token count. The probes run eagerly, at a small
+fraction of a step's cost, and reflect the device's own kernels and any checkpointing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+GB = 1e9
+
+
+def device_description() -> str:
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    if mx.metal.is_available():
+        kind = "Metal"
+    elif hasattr(mx, "cuda") and mx.cuda.is_available():
+        kind = "CUDA"
+    else:
+        kind = "CPU"
+    if mx.default_device() == mx.cpu:
+        kind = "CPU"
+    name = info.get("device_name") or info.get("architecture") or ""
+    size = info.get("memory_size")
+    return kind + (f" ({name}" + (f", {size / GB:.0f} GB" if size else "") + ")" if name else "")
+
+
+def configure(memory_limit_gb: float, cache_limit_gb: float) -> str:
+    """Apply the limits; on Metal wire the recommended working set as mlx-lm does. Returns a summary."""
+    notes = []
+    if mx.metal.is_available():
+        working_set = mx.device_info().get("max_recommended_working_set_size")
+        if working_set:
+            mx.set_wired_limit(int(working_set))
+            notes.append(f"wired limit {working_set / GB:.1f} GB")
+    if memory_limit_gb > 0:
+        mx.set_memory_limit(int(memory_limit_gb * GB))
+    if cache_limit_gb >= 0:
+        mx.set_cache_limit(int(cache_limit_gb * GB))
+    notes.append(f"memory limit {mx.get_memory_limit() / GB:.1f} GB")
+    return ", ".join(notes)
+
+
+def release_cache(threshold_gb: float) -> None:
+    """Return cached buffers to the system once the cache outgrows ``threshold_gb``."""
+    if threshold_gb >= 0 and mx.get_cache_memory() > threshold_gb * GB:
+        mx.clear_cache()
+
+
+@dataclass
+class Estimate:
+    weights: float
+    training_state: float
+    activations: float
+    loss: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.training_state + self.activations + self.loss
+
+    def describe(self) -> str:
+        return (f"{self.total / GB:.2f} GB (weights {self.weights / GB:.2f}, adapters + gradients + optimizer "
+                f"{self.training_state / GB:.2f}, activations {self.activations / GB:.2f}, "
+                f"loss {self.loss / GB:.2f})")
+
+
+def _nbytes(tree) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(tree))
+
+
+def _probe(fn, *args) -> int:
+    """Extra bytes at the peak of evaluating ``fn(*args)`` over what is already allocated."""
+    mx.eval(args)
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(fn(*args))
+    peak = mx.get_peak_memory() - base
+    mx.clear_cache()
+    return max(peak, 0)
+
+
+def _layer_probe(layer: nn.Module, depth: int, layout, x: mx.array) -> int:
+    mask = None
+    if getattr(layer, "is_attention_layer", hasattr(layer, "self_attn")):
+        mask = layout.mask if layout is not None else "causal"
+
+    def forward(params, h):
+        layer.update(params)
+        for _ in range(depth):
+            h = layer(h, mask, cache=layout)
+        return h.astype(mx.float32).sum()
+
+    params = layer.trainable_parameters()
+    return _probe(lambda p, h: mx.value_and_grad(forward, argnums=(0, 1))(p, h), params, x)
+
+
+def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimizer_moments: int,
+             window: bool, packed: bool, head, loss) -> Estimate:
+    """The peak memory of training ``model`` on micro-batches of ``batch`` x ``length`` tokens with
+    ``supervised`` supervised positions. ``head(hidden) -> logits`` and ``loss(logits) -> scalar``
+    are the output head and objective applied to ``[supervised, D]`` hidden states."""
+    trainable = _nbytes(model.trainable_parameters())
+    # Parameters + gradient + moments, and the open window's gradient sum when accumulating.
+    state = trainable * (1 + optimizer_moments + int(window))
+    weights = _nbytes(model.parameters()) - trainable
+    layers = list(model.layers)
+    dim = model.args.hidden_size
+    dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
+                 mx.float32)
+    layout = None
+    if packed:
+        from mlxft.packing import DocumentLayout
+
+        layout = DocumentLayout(mx.broadcast_to(mx.arange(length), (batch, length)), mx.zeros((batch, length), mx.int32))
+    x = mx.random.normal((batch, length, dim)).astype(dtype)
+    kinds: dict[str, list] = {}
+    for layer in layers:
+        kind = "attention" if getattr(layer, "is_attention_layer", hasattr(layer, "self_attn")) else type(layer).__name__
+        kinds.setdefault(kind, []).append(layer)
+    activations, transient = 0, 0
+    for members in kinds.values():
+        one = _layer_probe(members[0], 1, layout, x)
+        two = _layer_probe(members[0], 2, layout, x)
+        per_layer = max(two - one, 0)
+        activations += per_layer * len(members)
+        transient = max(transient, one - per_layer)
+    hidden = mx.random.normal((max(supervised, 1), dim)).astype(dtype)
+    loss_bytes = _probe(lambda h: mx.grad(lambda h: loss(head(h)))(h), hidden)
+    # Every layer's input gradient flows through the embedding output of [batch, length, dim].
+    embedding = batch * length * dim * dtype.size
+    return Estimate(weights, state, activations + transient + embedding, loss_bytes)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether an MLX error is an allocation failure (Metal, CUDA or CPU wording)."""
+    text = str(err).lower()
+    return any(w in text for w in ("out of memory", "outofmemory", "insufficient memory", "unable to allocate",
+                                   "attempting to allocate", "malloc"))
+
+
+def advice(config) -> str:
+    """The settings that bring a run's memory down, most effective first."""
+    hints = []
+    if not config.model.grad_checkpoint:
+        hints.append("--grad-checkpoint")
+    hints.append(f"--batch-size {max(config.train.batch_size // 2, 1)} with --grad-accum-steps "
+                 f"{config.train.grad_accum_steps * 2} (same effective batch)")
+    hints.append(f"--max-seq-length {max(config.data.max_seq_length // 2, 1)}")
+    if config.train.clear_cache_above != 0:
+        hints.append("--clear-cache-above 0")
+    if config.adapter.finetune == "full":
+        hints.append("--finetune lora")
+    elif not config.model.quantize:
+        hints.append("--quantize 4")
+    return "lower memory with " + ", or ".join(hints)

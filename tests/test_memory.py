@@ -1,0 +1,95 @@
+"""Memory: the pre-run estimate against the measured peak, limits, and out-of-memory advice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import LFM2_CONFIG, LLAMA_CONFIG, write_model
+from mlxft import RunConfig, memory
+from mlxft.data import Dataset, Example
+from mlxft.trainer import Trainer, TrainingStopped
+
+SIZES = {"hidden_size": 256, "intermediate_size": 512, "block_dim": 256, "block_ff_dim": 512,
+         "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"], "vocab_size": 32000}
+
+
+@pytest.fixture(scope="module", params=["llama", "lfm2"])
+def wider_model(request, tmp_path_factory) -> Path:
+    """Big enough that activations, not fixed overheads, make up a good part of the peak."""
+    config = {**(LLAMA_CONFIG if request.param == "llama" else LFM2_CONFIG), **SIZES}
+    return write_model(tmp_path_factory.mktemp(request.param), config)
+
+
+def random_rows(n: int, longest: int, seed: int = 0) -> list[Example]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        length = int(rng.integers(longest // 2, longest + 1))
+        mask = np.ones(length, bool)
+        mask[: length // 3] = False
+        rows.append(Example(rng.integers(3, 30000, size=length).astype(np.int32), mask))
+    return rows
+
+
+def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
+    config = RunConfig.from_dict({
+        "model": {"model": str(model_dir), "dtype": "float32", "grad_checkpoint": train.pop("grad_checkpoint", False)},
+        "data": {"data": "in-memory", "length_bucket": 32, "pack": train.pop("pack", False)},
+        "adapter": {"rank": 8},
+        "train": {"output_dir": str(tmp_path / "run"), "batch_size": batch_size, "max_steps": 3, "log_every": 1, **train},
+    })
+    rows = random_rows(3 * batch_size, longest)
+    return Trainer(config, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+
+
+@pytest.mark.parametrize("grad_checkpoint,pack", [(False, False), (True, False), (False, True)])
+def test_estimate_is_within_a_quarter_of_the_measured_peak(wider_model, tmp_path, grad_checkpoint, pack):
+    run = trainer(wider_model, tmp_path, grad_checkpoint=grad_checkpoint, pack=pack)
+    run.train()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    measured = max(r["peak_memory_gb"] for r in records if r["type"] == "train") * memory.GB
+    assert run.estimate.activations > 0.2 * measured  # the probes carry weight in what is compared
+    assert 0.75 <= run.estimate.total / measured <= 1.25, (run.estimate.describe(), measured / memory.GB)
+
+
+def test_checkpointing_lowers_the_estimated_activations(wider_model, tmp_path):
+    plain = trainer(wider_model, tmp_path / "a").estimate
+    checkpointed = trainer(wider_model, tmp_path / "b", grad_checkpoint=True).estimate
+    assert checkpointed.activations < plain.activations
+
+
+def test_limits_are_applied_and_passing_one_says_what_to_lower(llama_dir, tmp_path, capsys):
+    before = mx.get_memory_limit()
+    try:
+        run = trainer(llama_dir, tmp_path, batch_size=2, longest=64, memory_limit=0.001, cache_limit=0.0)
+        assert mx.get_memory_limit() == 1_000_000
+        run.train()
+    finally:
+        mx.set_memory_limit(before)
+        mx.set_cache_limit(before)  # MLX's default cache limit is the memory limit
+    out = capsys.readouterr().out
+    assert "estimate exceeds the memory limit" in out
+    assert "passed the memory limit" in out and "--grad-checkpoint" in out and "--batch-size 1" in out
+
+
+def test_out_of_memory_stops_with_advice(llama_dir, tmp_path, monkeypatch):
+    run = trainer(llama_dir, tmp_path, batch_size=2, longest=64, grad_checkpoint=True)
+
+    def exhausted(*_):
+        raise RuntimeError("[metal::malloc] Unable to allocate 68719476736 bytes.")
+
+    monkeypatch.setattr(run, "_train", exhausted)
+    with pytest.raises(TrainingStopped) as stopped:
+        run.train()
+    message = str(stopped.value)
+    assert stopped.value.exit_code == 1 and "\n" not in message
+    assert "out of memory" in message and "--batch-size 1" in message and "--grad-checkpoint" not in message
+
+
+def test_device_is_named():
+    assert memory.device_description().split(" ")[0] in ("CPU", "Metal", "CUDA")
