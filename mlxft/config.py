@@ -46,6 +46,10 @@ class ModelConfig:
     grad_checkpoint: bool = _opt(
         False, "Recompute each layer's activations during the backward pass: less memory, ~1/3 more compute."
     )
+    loss_chunk: int = _opt(
+        0, "Score supervised positions this many at a time, recomputing each chunk's logits in the backward "
+           "pass: less memory for large vocabularies; 0 = all at once."
+    )
 
 
 @dataclass
@@ -150,7 +154,7 @@ class TrainConfig:
     clear_cache_above: float = _opt(
         -1.0, "Return the allocator cache to the system after each step once it holds more than this many GB; "
               "-1 = never. 0 lowers the peak (cached buffers reused for smaller requests inflate it) at a "
-              "throughput cost: on CUDA -32% peak, -43% tokens/s for LFM2-1.2B.",
+              "throughput cost (LFM2-1.2B on CUDA: peak 19.4 -> 13.2 GB, tokens/s 66k -> 38k).",
     )
     memory_estimate: bool = _opt(
         True, "Before training, estimate peak memory by probing one and two layers at the batch shape."
@@ -307,6 +311,7 @@ def validate(config: RunConfig) -> None:
     need(a.num_layers == -1 or a.num_layers >= 1, "adapter.num_layers", "must be -1 (all) or >= 1")
     need(len(a.targets) >= 1, "adapter.targets", "name at least one module or 'default'")
     need(d.max_seq_length >= 2, "data.max_seq_length", f"must be >= 2, got {d.max_seq_length}")
+    need(config.model.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0 = no chunking)")
     need(d.length_bucket >= 1, "data.length_bucket", f"must be >= 1, got {d.length_bucket}")
     need(o.learning_rate > 0 and math.isfinite(o.learning_rate), "optim.learning_rate", "must be > 0")
     need(0 <= o.min_learning_rate <= o.learning_rate, "optim.min_learning_rate", "must be in [0, learning_rate]")

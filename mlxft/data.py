@@ -286,6 +286,14 @@ def round_up(n: int, multiple: int) -> int:
     return max(multiple, math.ceil(n / multiple) * multiple)
 
 
+def padded_supervised_count(supervised: int, batch_tokens: int, bucket: int) -> int:
+    """How many supervised positions a batch of ``batch_tokens`` inputs carries, padding included.
+
+    Padded to a quarter of the batch's token grid: at most four compiled shapes per width (a
+    bucket-sized grid gave dozens), for head work on at most ``batch_tokens / 4`` more rows."""
+    return round_up(supervised, max(bucket, round_up(batch_tokens // 4, bucket)))
+
+
 @dataclass
 class Batch:
     """A padded micro-batch in the layout the loss takes.
@@ -347,10 +355,7 @@ def make_batch(examples: list[Example], batch_size: int, bucket: int, pack: bool
             start += n
     positions = np.concatenate(positions or [np.zeros(0)]).astype(np.int32)
     targets = np.concatenate(targets or [np.zeros(0)]).astype(np.int32)
-    # Supervised counts padded to a quarter of the batch's token grid: at most four compiled
-    # shapes per width (a bucket-sized grid gave dozens) for head work on at most B*T/4 more rows.
-    count = round_up(len(positions), max(bucket, round_up(inputs.size // 4, bucket)))
-    pad = count - len(positions)
+    pad = padded_supervised_count(len(positions), inputs.size, bucket) - len(positions)
     weights = np.concatenate([np.ones(len(positions), np.float32), np.zeros(pad, np.float32)])
     positions = np.concatenate([positions, np.zeros(pad, np.int32)])
     targets = np.concatenate([targets, np.zeros(pad, np.int32)])

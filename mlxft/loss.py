@@ -3,7 +3,9 @@
 Batches name the supervised positions explicitly (see :class:`mlxft.data.Batch`). For
 architectures with a plain output head only those positions are projected to the
 vocabulary, so the full ``[B, T, vocab]`` logits never exist; for the rest the logits are
-computed as the model defines them and the same positions are read out of them.
+computed as the model defines them and the same positions are read out of them. With
+``chunk`` the supervised positions are scored a chunk at a time, each chunk's logits
+recomputed in the backward pass, so at most ``[chunk, vocab]`` of them are alive at once.
 """
 
 from __future__ import annotations
@@ -24,23 +26,54 @@ def cross_entropy(logits: mx.array, targets: mx.array, weights: mx.array, label_
     return (ce * weights).sum() / mx.maximum(ntokens, 1), ntokens
 
 
+def _hidden(model: nn.Module, inputs, positions, doc_positions, segments) -> mx.array:
+    """Final hidden states ``[N, D]`` at the flattened supervised ``positions``."""
+    if doc_positions is not None:
+        hidden = packing.hidden_states(model, inputs, doc_positions, segments)
+    else:
+        hidden = hidden_states(model, inputs)
+    return hidden.reshape(-1, hidden.shape[-1])[positions]
+
+
 def supervised_logits(model: nn.Module, inputs: mx.array, positions: mx.array, doc_positions=None, segments=None):
     """Logits ``[N, vocab]`` at the flattened ``positions`` of ``inputs`` ``[B, T]``.
 
     ``doc_positions`` and ``segments`` describe a packed batch (see :mod:`mlxft.packing`)."""
     head = output_head(model)
-    if doc_positions is not None:
-        hidden = packing.hidden_states(model, inputs, doc_positions, segments)
-    elif head is None:
+    if head is None and doc_positions is None:
         logits = model(inputs)
         return logits.reshape(-1, logits.shape[-1])[positions]
-    else:
-        hidden = hidden_states(model, inputs)
-    return head(hidden.reshape(-1, hidden.shape[-1])[positions])
+    return head(_hidden(model, inputs, positions, doc_positions, segments))
+
+
+def chunked_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothing: float, chunk: int):
+    # The head's parameters enter each checkpoint as inputs, so a trained head (full
+    # fine-tuning, tied embeddings) still receives its gradient.
+    module = model.lm_head if "lm_head" in model else model.model.embed_tokens
+    project = module if "lm_head" in model else module.as_linear
+
+    def chunk_loss(start):
+        # Targets and weights are closed over: only the head and the hidden states are differentiated.
+        def loss(params, h):
+            module.update(params)
+            logits = project(h).astype(mx.float32)
+            ce = nn.losses.cross_entropy(logits, targets[start:start + chunk], label_smoothing=label_smoothing,
+                                         reduction="none")
+            return (ce * weights[start:start + chunk]).sum()
+
+        return mx.checkpoint(loss)
+
+    params = module.trainable_parameters()
+    total = sum(chunk_loss(i)(params, hidden[i:i + chunk]) for i in range(0, hidden.shape[0], chunk))
+    ntokens = weights.sum()
+    return total / mx.maximum(ntokens, 1), ntokens
 
 
 def loss_fn(model: nn.Module, inputs, positions, targets, weights, doc_positions=None, segments=None,
-            label_smoothing: float = 0.0):
+            label_smoothing: float = 0.0, chunk: int = 0):
     """``(loss, ntokens)`` of one batch: the loss the trainer differentiates and reports."""
+    if chunk and positions.shape[0] > chunk and output_head(model) is not None:
+        hidden = _hidden(model, inputs, positions, doc_positions, segments)
+        return chunked_cross_entropy(model, hidden, targets, weights, label_smoothing, chunk)
     logits = supervised_logits(model, inputs, positions, doc_positions, segments)
     return cross_entropy(logits, targets, weights, label_smoothing)

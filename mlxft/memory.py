@@ -109,10 +109,10 @@ def _layer_probe(layer: nn.Module, depth: int, layout, x: mx.array) -> int:
 
 
 def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimizer_moments: int,
-             window: bool, packed: bool, head, loss) -> Estimate:
+             window: bool, packed: bool, loss_of_hidden) -> Estimate:
     """The peak memory of training ``model`` on micro-batches of ``batch`` x ``length`` tokens with
-    ``supervised`` supervised positions. ``head(hidden) -> logits`` and ``loss(logits) -> scalar``
-    are the output head and objective applied to ``[supervised, D]`` hidden states."""
+    ``supervised`` supervised positions. ``loss_of_hidden`` maps the ``[supervised, D]`` final
+    hidden states to the scalar objective (output head included)."""
     trainable = _nbytes(model.trainable_parameters())
     # Parameters + gradient + moments, and the open window's gradient sum when accumulating.
     state = trainable * (1 + optimizer_moments + int(window))
@@ -139,7 +139,7 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
         activations += per_layer * len(members)
         transient = max(transient, one - per_layer)
     hidden = mx.random.normal((max(supervised, 1), dim)).astype(dtype)
-    loss_bytes = _probe(lambda h: mx.grad(lambda h: loss(head(h)))(h), hidden)
+    loss_bytes = _probe(lambda h: mx.grad(loss_of_hidden)(h), hidden)
     # Every layer's input gradient flows through the embedding output of [batch, length, dim].
     embedding = batch * length * dim * dtype.size
     return Estimate(weights, state, activations + transient + embedding, loss_bytes)
@@ -160,6 +160,8 @@ def advice(config) -> str:
     hints.append(f"--batch-size {max(config.train.batch_size // 2, 1)} with --grad-accum-steps "
                  f"{config.train.grad_accum_steps * 2} (same effective batch)")
     hints.append(f"--max-seq-length {max(config.data.max_seq_length // 2, 1)}")
+    if not config.model.loss_chunk:
+        hints.append("--loss-chunk 1024")
     if config.train.clear_cache_above != 0:
         hints.append("--clear-cache-above 0")
     if config.adapter.finetune == "full":

@@ -1,4 +1,4 @@
-"""mlxft against mlx-lm's own trainer, side by side in one process on the same work.
+"""mlxft against mlx-lm's own trainer, side by side in one invocation on the same work.
 
     python scripts/bench.py --model builtin:smollm2-135m-instruct --workload chat
     python scripts/bench.py --model config:lfm2-1.2b --dtype bfloat16 --workload chat --fixed-length 512
@@ -140,7 +140,7 @@ def run_mlxft(args, rows, val_rows):
         lora.compute_lora_in_input_dtype = lambda model: None
     with tempfile.TemporaryDirectory() as tmp:
         config = RunConfig.from_dict({
-            "model": {"model": args.model, "grad_checkpoint": args.grad_checkpoint},
+            "model": {"model": args.model, "grad_checkpoint": args.grad_checkpoint, "loss_chunk": args.loss_chunk},
             "data": {"data": "in-memory", "length_bucket": 32, "max_seq_length": args.max_len + 1, "pack": args.pack},
             "adapter": {"targets": ["all"], "rank": args.rank, "alpha": 2.0 * args.rank},
             "optim": {"optimizer": "adam", "learning_rate": args.lr, "schedule": "constant", "max_grad_norm": 0.0},
@@ -185,6 +185,7 @@ def main() -> None:
     p.add_argument("--grad-checkpoint", action="store_true", help="mlxft recomputes layer activations")
     p.add_argument("--pack", action="store_true", help="mlxft packs each micro-batch's rows (same rows, same loss)")
     p.add_argument("--lora-float32", action="store_true", help="mlxft computes LoRA in float32 as mlx-lm does")
+    p.add_argument("--loss-chunk", type=int, default=0, help="mlxft scores supervised positions in recomputed chunks")
     p.add_argument("--clear-cache-above", type=float, default=-1.0, help="mlxft's train.clear_cache_above (GB)")
     p.add_argument("--only", choices=("both", "mlxft", "mlx-lm"), default="both")
     p.add_argument("--backend", default="none", help="mlxft's distributed backend (auto under mlx.launch)")
