@@ -159,7 +159,11 @@ class Trainer:
              + (f" | {self.world.size} data-parallel ranks" if self.world.size > 1 else ""))
         info(f"memory: {self.memory_settings}")
         if self.config.train.memory_estimate:
-            self.estimate = self.estimate_memory()
+            try:
+                self.estimate = self.estimate_memory()
+            except (AttributeError, TypeError, ValueError) as err:  # an architecture the probes do not fit
+                info(f"no memory estimate for this model ({type(err).__name__}: {str(err).splitlines()[0]})")
+                return
             limit = mx.get_memory_limit()
             info(f"estimated peak memory: {self.estimate.describe()}")
             if self.estimate.total > limit:
