@@ -22,8 +22,14 @@ from mlx.utils import tree_flatten
 GB = 1e9
 
 
+def _device_info() -> dict:
+    if hasattr(mx, "device_info"):
+        return mx.device_info()
+    return mx.metal.device_info() if mx.metal.is_available() else {}  # MLX before device_info()
+
+
 def device_description() -> str:
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    info = _device_info()
     if mx.metal.is_available():
         kind = "Metal"
     elif hasattr(mx, "cuda") and mx.cuda.is_available():
@@ -41,7 +47,7 @@ def configure(memory_limit_gb: float, cache_limit_gb: float) -> str:
     """Apply the limits; on Metal wire the recommended working set as mlx-lm does. Returns a summary."""
     notes = []
     if mx.metal.is_available():
-        working_set = mx.device_info().get("max_recommended_working_set_size")
+        working_set = _device_info().get("max_recommended_working_set_size")
         if working_set:
             mx.set_wired_limit(int(working_set))
             notes.append(f"wired limit {working_set / GB:.1f} GB")
