@@ -299,8 +299,9 @@ class Batch:
     """A padded micro-batch in the layout the loss takes.
 
     ``positions`` index the flattened ``[B * T]`` inputs whose next token is supervised;
-    ``targets`` and ``weights`` belong to those positions. Both lengths are padded to the
-    bucket (weight 0), so the compiled step sees a bounded set of shapes. A packed batch
+    ``targets`` and ``weights`` belong to those positions. The sequence length is padded to
+    the bucket and the supervised count to :func:`padded_supervised_count` (weight 0), so the
+    compiled step sees a bounded set of shapes. A packed batch
     also carries each token's position inside its document and its document (segment) id,
     both ``[B, T]`` (see :mod:`mlxft.packing`).
     """
