@@ -19,6 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxft.models import compute_dtype
+
 GB = 1e9
 
 
@@ -125,8 +127,7 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
     weights = _nbytes(model.parameters()) - trainable
     layers = list(model.layers)
     dim = model.args.hidden_size
-    dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
-                 mx.float32)
+    dtype = compute_dtype(model)
     layout = None
     if packed:
         from mlxft.packing import DocumentLayout
