@@ -35,17 +35,6 @@ def _hidden(model: nn.Module, inputs, positions, doc_positions, segments) -> mx.
     return hidden.reshape(-1, hidden.shape[-1])[positions]
 
 
-def supervised_logits(model: nn.Module, inputs: mx.array, positions: mx.array, doc_positions=None, segments=None):
-    """Logits ``[N, vocab]`` at the flattened ``positions`` of ``inputs`` ``[B, T]``.
-
-    ``doc_positions`` and ``segments`` describe a packed batch (see :mod:`mlxft.packing`)."""
-    head = output_head(model)
-    if head is None and doc_positions is None:
-        logits = model(inputs)
-        return logits.reshape(-1, logits.shape[-1])[positions]
-    return head(_hidden(model, inputs, positions, doc_positions, segments))
-
-
 def chunked_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothing: float, chunk: int):
     # The head's parameters enter each checkpoint as inputs, so a trained head (full
     # fine-tuning, tied embeddings) still receives its gradient.
@@ -69,11 +58,19 @@ def chunked_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoo
     return total / mx.maximum(ntokens, 1), ntokens
 
 
+def hidden_loss(model: nn.Module, hidden, targets, weights, label_smoothing: float = 0.0, chunk: int = 0):
+    """``(loss, ntokens)`` from the supervised final hidden states ``[N, D]`` (plain heads only),
+    in recomputed chunks when ``chunk`` is set and smaller than ``N``."""
+    if chunk and hidden.shape[0] > chunk:
+        return chunked_cross_entropy(model, hidden, targets, weights, label_smoothing, chunk)
+    return cross_entropy(output_head(model)(hidden), targets, weights, label_smoothing)
+
+
 def loss_fn(model: nn.Module, inputs, positions, targets, weights, doc_positions=None, segments=None,
             label_smoothing: float = 0.0, chunk: int = 0):
     """``(loss, ntokens)`` of one batch: the loss the trainer differentiates and reports."""
-    if chunk and positions.shape[0] > chunk and output_head(model) is not None:
-        hidden = _hidden(model, inputs, positions, doc_positions, segments)
-        return chunked_cross_entropy(model, hidden, targets, weights, label_smoothing, chunk)
-    logits = supervised_logits(model, inputs, positions, doc_positions, segments)
-    return cross_entropy(logits, targets, weights, label_smoothing)
+    if output_head(model) is None and doc_positions is None:  # the model's own logits, read at the positions
+        logits = model(inputs)
+        return cross_entropy(logits.reshape(-1, logits.shape[-1])[positions], targets, weights, label_smoothing)
+    hidden = _hidden(model, inputs, positions, doc_positions, segments)
+    return hidden_loss(model, hidden, targets, weights, label_smoothing, chunk)

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxft.models import compute_dtype
+from mlxft.packing import DocumentLayout, is_attention_layer
 
 GB = 1e9
 
@@ -103,7 +104,7 @@ def _probe(fn, *args) -> int:
 
 def _layer_probe(layer: nn.Module, depth: int, layout, x: mx.array) -> int:
     mask = None
-    if getattr(layer, "is_attention_layer", hasattr(layer, "self_attn")):
+    if is_attention_layer(layer):
         mask = layout.mask if layout is not None else "causal"
 
     def forward(params, h):
@@ -116,27 +117,26 @@ def _layer_probe(layer: nn.Module, depth: int, layout, x: mx.array) -> int:
     return _probe(lambda p, h: mx.value_and_grad(forward, argnums=(0, 1))(p, h), params, x)
 
 
-def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimizer_moments: int,
+def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimizer_state,
              window: bool, packed: bool, loss_of_hidden) -> Estimate:
     """The peak memory of training ``model`` on micro-batches of ``batch`` x ``length`` tokens with
     ``supervised`` supervised positions. ``loss_of_hidden`` maps the ``[supervised, D]`` final
     hidden states to the scalar objective (output head included)."""
     trainable = _nbytes(model.trainable_parameters())
-    # Parameters + gradient + moments, and the open window's gradient sum when accumulating.
-    state = trainable * (1 + optimizer_moments + int(window))
+    # Parameters, their gradient, the optimizer's (initialised) state, and the open window's
+    # gradient sum when accumulating.
+    state = trainable * (2 + int(window)) + _nbytes(optimizer_state)
     weights = _nbytes(model.parameters()) - trainable
     layers = list(model.layers)
     dim = model.args.hidden_size
     dtype = compute_dtype(model)
     layout = None
     if packed:
-        from mlxft.packing import DocumentLayout
-
         layout = DocumentLayout(mx.broadcast_to(mx.arange(length), (batch, length)), mx.zeros((batch, length), mx.int32))
     x = mx.random.normal((batch, length, dim)).astype(dtype)
     kinds: dict[str, list] = {}
     for layer in layers:
-        kind = "attention" if getattr(layer, "is_attention_layer", hasattr(layer, "self_attn")) else type(layer).__name__
+        kind = "attention" if is_attention_layer(layer) else type(layer).__name__
         kinds.setdefault(kind, []).append(layer)
     activations, transient = 0, 0
     for members in kinds.values():

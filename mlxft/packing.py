@@ -71,6 +71,11 @@ def _document_short_conv(self, x, mask=None, cache=None):
     return self.out_proj(c * out)
 
 
+def is_attention_layer(layer: nn.Module) -> bool:
+    """Whether a decoder layer attends (LFM2 says so; Llama-style layers have ``self_attn``)."""
+    return getattr(layer, "is_attention_layer", hasattr(layer, "self_attn"))
+
+
 def check_supported(model: nn.Module) -> None:
     family = getattr(model, "model_type", "")
     if family not in SUPPORTED_FAMILIES:
@@ -97,8 +102,7 @@ def hidden_states(model: nn.Module, inputs: mx.array, positions: mx.array, segme
     layout = DocumentLayout(positions, segments)
     h = body.embed_tokens(inputs)
     for layer in body.layers:
-        is_attention = getattr(layer, "is_attention_layer", hasattr(layer, "self_attn"))
-        h = layer(h, layout.mask if is_attention else None, cache=layout)
+        h = layer(h, layout.mask if is_attention_layer(layer) else None, cache=layout)
     norm = body.norm if "norm" in body else body.embedding_norm
     return norm(h)
 

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from mlxft import _blas, builtin, checkpoint, data, distributed, generation, lora, memory, models, packing
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError
-from mlxft.loss import chunked_cross_entropy, cross_entropy, loss_fn
+from mlxft.loss import cross_entropy, hidden_loss, loss_fn
 from mlxft.optim import build_optimizer
 from mlxft.report import Reporter
 from mlxft.signals import StopRequests
@@ -177,22 +177,17 @@ class Trainer:
         longest = max(len(e.ids) for e in examples) - 1
         length = data.round_up(longest, c.data.length_bucket)
         supervised = sorted((int(e.mask[1:].sum()) for e in examples), reverse=True)[:per_rank]
-        moments = {"sgd": int(c.optim.momentum > 0), "adam": 2, "adamw": 2}[c.optim.optimizer]
         padded = data.padded_supervised_count(sum(supervised), per_rank * length, c.data.length_bucket)
         targets = mx.zeros((padded,), mx.int32)
         weights = mx.ones(targets.shape)
-        head = models.output_head(self.model)
 
         def loss_of_hidden(hidden):
-            if head is None:  # whole logits: count the vocabulary-sized float32 tensors of the loss
+            if models.output_head(self.model) is None:  # whole logits: count the loss's vocabulary-sized tensors
                 logits = mx.zeros((hidden.shape[0], self.model.args.vocab_size), mx.float32) + hidden.sum()
                 return cross_entropy(logits, targets, weights, c.optim.label_smoothing)[0]
-            if c.model.loss_chunk and targets.size > c.model.loss_chunk:
-                return chunked_cross_entropy(self.model, hidden, targets, weights, c.optim.label_smoothing,
-                                              c.model.loss_chunk)[0]
-            return cross_entropy(head(hidden), targets, weights, c.optim.label_smoothing)[0]
+            return hidden_loss(self.model, hidden, targets, weights, c.optim.label_smoothing, c.model.loss_chunk)[0]
 
-        estimate = memory.estimate(self.model, per_rank, length, targets.size, moments,
+        estimate = memory.estimate(self.model, per_rank, length, targets.size, self.optimizer.state,
                                    c.train.grad_accum_steps > 1, c.data.pack, loss_of_hidden)
         mx.reset_peak_memory()
         return estimate
