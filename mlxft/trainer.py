@@ -206,7 +206,8 @@ class Trainer:
             if memory.is_out_of_memory(err):
                 raise TrainingStopped(
                     f"out of memory at step {self.step_count + 1} ({str(err).splitlines()[0]}); "
-                    + memory.advice(self.config) + "; then --resume latest to continue from the last checkpoint",
+                    + memory.advice(self.config, self.estimate and self.estimate.total)
+                    + "; then --resume latest to continue from the last checkpoint",
                     1, None) from err
             if self.world.size == 1:
                 raise
@@ -264,7 +265,8 @@ class Trainer:
 
     def _check_memory_limit(self) -> None:
         peak, limit = mx.get_peak_memory(), mx.get_memory_limit()
-        if peak > limit and not self.warned_over_limit:
+        # Under a limit MLX waits for queued work once past it, so a peak a little over is expected.
+        if peak > 1.1 * limit and not self.warned_over_limit:
             self.warned_over_limit = True
             self.reporter.info(f"warning: peak memory {peak / memory.GB:.2f} GB passed the memory limit of "
                                f"{limit / memory.GB:.2f} GB, so MLX waits for memory and may swap; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import json
 from pathlib import Path
 
@@ -50,14 +51,21 @@ def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
 
 @pytest.mark.parametrize("grad_checkpoint,pack", [(False, False), (True, False), (False, True)])
 def test_estimate_is_within_a_quarter_of_the_measured_peak(wider_model, tmp_path, grad_checkpoint, pack):
+    """The estimate is what a step needs: measured under a memory limit below it, where MLX
+    waits for queued work instead of holding its buffers (without one a run may use more)."""
     gc.collect()  # earlier tests' arrays would count in the process-wide peak
     mx.clear_cache()
     already_allocated = mx.get_active_memory()
-    run = trainer(wider_model, tmp_path, grad_checkpoint=grad_checkpoint, pack=pack)
-    run.train()
+    before = mx.get_memory_limit()
+    try:
+        run = trainer(wider_model, tmp_path, grad_checkpoint=grad_checkpoint, pack=pack, memory_limit=0.001)
+        run.train()
+    finally:
+        mx.set_memory_limit(before)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     measured = max(r["peak_memory_gb"] for r in records if r["type"] == "train") * memory.GB - already_allocated
-    assert run.estimate.activations > 0.2 * measured  # the probes carry weight in what is compared
+    # What the probes measure carries weight in what is compared.
+    assert run.estimate.activations + run.estimate.loss > 0.5 * measured
     assert 0.75 <= run.estimate.total / measured <= 1.25, (run.estimate.describe(), measured / memory.GB)
 
 
@@ -93,6 +101,8 @@ def test_out_of_memory_stops_with_advice(llama_dir, tmp_path, monkeypatch):
     message = str(stopped.value)
     assert stopped.value.exit_code == 1 and "\n" not in message
     assert "out of memory" in message and "--batch-size 1" in message and "--grad-checkpoint" not in message
+    limit = f"--memory-limit {math.ceil(1.1 * run.estimate.total / memory.GB)}"
+    assert message.index(limit) < message.index("--batch-size 1")  # the cheapest lever first
 
 
 def test_device_is_named():
