@@ -148,7 +148,8 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
     dtype = compute_dtype(model)
     layout = None
     if packed:
-        layout = DocumentLayout(mx.broadcast_to(mx.arange(length), (batch, length)), mx.zeros((batch, length), mx.int32))
+        layout = DocumentLayout(mx.broadcast_to(mx.arange(length), (batch, length)), mx.zeros((batch, length), mx.int32),
+                                dtype)
     x = mx.random.normal((batch, length, dim)).astype(dtype)
     kinds: dict[str, list] = {}
     for layer in layers:

@@ -145,7 +145,7 @@ def run_mlxft(args, rows, val_rows):
             "adapter": {"targets": ["all"], "rank": args.rank, "alpha": 2.0 * args.rank},
             "optim": {"optimizer": "adam", "learning_rate": args.lr, "schedule": "constant", "max_grad_norm": 0.0},
             "train": {"output_dir": tmp, "batch_size": args.batch_size, "max_steps": args.steps,
-                      "log_every": args.steps - args.warmup, "backend": args.backend,
+                      "log_every": args.log_every or args.steps - args.warmup, "backend": args.backend,
                       "clear_cache_above": args.clear_cache_above, "memory_limit": args.memory_limit,
                       "cache_limit": args.cache_limit},
         })
@@ -190,6 +190,7 @@ def main() -> None:
     p.add_argument("--clear-cache-above", type=float, default=-1.0, help="mlxft's train.clear_cache_above (GB)")
     p.add_argument("--memory-limit", type=float, default=0.0, help="mlxft's train.memory_limit (GB; MLX waits for queued work above it)")
     p.add_argument("--cache-limit", type=float, default=-1.0, help="mlxft's train.cache_limit (GB)")
+    p.add_argument("--log-every", type=int, default=0, help="mlxft's log interval (default: once after warm-up)")
     p.add_argument("--only", choices=("both", "mlxft", "mlx-lm"), default="both")
     p.add_argument("--backend", default="none", help="mlxft's distributed backend (auto under mlx.launch)")
     p.add_argument("--out", default="")
