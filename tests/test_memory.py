@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import gc
-import math
 import json
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -107,3 +110,12 @@ def test_out_of_memory_stops_with_advice(llama_dir, tmp_path, monkeypatch):
 
 def test_device_is_named():
     assert memory.device_description().split(" ")[0] in ("CPU", "Metal", "CUDA")
+
+
+def test_cuda_graph_cache_is_raised_unless_the_user_set_it():
+    read = "import os, mlxft; print(os.environ['MLX_CUDA_GRAPH_CACHE_SIZE'])"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_CUDA_GRAPH_CACHE_SIZE"}
+    default = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, check=True)
+    chosen = subprocess.run([sys.executable, "-c", read], env={**env, "MLX_CUDA_GRAPH_CACHE_SIZE": "7"},
+                            capture_output=True, text=True, check=True)
+    assert (default.stdout.strip(), chosen.stdout.strip()) == ("1000", "7")
