@@ -3,12 +3,13 @@
 Everything goes through MLX's device-neutral memory API, so Metal, CUDA and the CPU share
 one path; only the wired limit is Metal's alone (unified memory that must stay resident).
 
-The peak-memory estimate adds what is known exactly (weights, adapters, their gradients
-and optimizer moments) to what is measured on the device at the run's batch shape: one
-forward and backward pass through one and through two copies of each kind of layer (the
+The estimate of what a run needs adds what is known exactly (weights, adapters, their
+gradients and optimizer moments) to what is measured on the device at the run's batch
+shape: one forward and backward pass through one and through two layers of each kind (the
 difference is what each further layer keeps for the backward pass) and through the output
 head and loss at the largest supervised-token count. The probes run eagerly, at a small
-fraction of a step's cost, and reflect the device's own kernels and any checkpointing.
+fraction of a step's cost, under a memory limit (see :func:`_probe`), and reflect the
+device's own kernels and any checkpointing.
 """
 
 from __future__ import annotations
