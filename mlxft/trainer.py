@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from mlxft import _blas, builtin, checkpoint, data, distributed, generation, lora, memory, models, packing
+from mlxft import _blas, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, packing
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError
 from mlxft.loss import cross_entropy, hidden_loss, loss_fn
@@ -106,6 +106,8 @@ class Trainer:
             self.targets = lora.apply(model, config.adapter, t.seed)
         if config.data.pack:
             packing.enable(model)
+        if fastmath.active():
+            fastmath.enable(model)
         if config.model.grad_checkpoint:
             models.checkpoint_layers(model)
         self.world.heartbeat()

@@ -1,0 +1,151 @@
+"""A vectorised exp for MLX's CPU backend, and the SiLU and attention built on it.
+
+On the CPU MLX evaluates ``exp`` one element at a time: 14 ms for 1.5M floats on this
+repository's 2-core machine, against 0.3 ms for an add and 0.5 ms for numpy's exp, so the
+SiLU of every MLP is a large share of a CPU training step. :func:`exp` rebuilds it from
+operations the backend vectorises (Cody-Waite range reduction, a degree-6 polynomial, the
+power of two written into the exponent bits): 3.6 ms compiled, with a relative error under
+3e-7 (MLX's own: 3e-6); SwiGLU's forward drops from 21.5 to 4.1 ms at that size. It does
+not pay where the array outgrows the cache (the cross-entropy over a 49k vocabulary ran
+slower with it), and GPUs have a fast exp in hardware, so :func:`active` keeps MLX's there.
+MLX's CPU attention spends most of its time in the same exp, so it is written out here with
+this one. SmolLM2-135M chat SFT on that machine: 189 tokens/s against 175 without (mlx-lm: 143).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxft import models
+
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.693145751953125  # ln 2 split so k * _LN2_HI is exact for the k that occur
+_LN2_LO = 1.428606765330187e-06
+_ROUND = 12582912.0  # 1.5 * 2**23: adding it rounds a float32 to the nearest integer
+_TAYLOR = (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0)
+_LOWEST = -87.0  # below this exp underflows float32's normal range: the result is 0
+_HIGHEST = 88.0
+
+SUPPORTED_FAMILIES = ("llama", "lfm2")
+
+
+def active() -> bool:
+    """Whether the step should use :func:`exp` (the CPU) rather than MLX's."""
+    return mx.default_device() == mx.cpu
+
+
+@mx.custom_function
+def exp(x: mx.array) -> mx.array:
+    """``e**x`` in float32 arithmetic, returned in ``x``'s dtype."""
+    x32 = mx.clip(x.astype(mx.float32), _LOWEST, _HIGHEST)
+    shifted = x32 * _LOG2E + _ROUND
+    k = shifted - _ROUND
+    r = (x32 - k * _LN2_HI) - k * _LN2_LO
+    poly = mx.array(1.0 / 720, mx.float32)
+    for c in _TAYLOR:
+        poly = poly * r + c
+    # The low bits of ``shifted`` hold k; k + 127 in the exponent field is 2**k.
+    scale = mx.view(mx.left_shift(mx.view(shifted, mx.int32) - 0x4B400000 + 127, 23), mx.float32)
+    return mx.where(x < _LOWEST, 0.0, poly * scale).astype(x.dtype)
+
+
+@exp.vjp
+def _exp_vjp(primals, cotangent, output):
+    return cotangent * output
+
+
+@mx.custom_function
+def silu(x: mx.array) -> mx.array:
+    return x / (1 + exp(-x))
+
+
+@silu.vjp
+def _silu_vjp(primals, cotangent, output):
+    # Recomputing the sigmoid keeps only x for the backward pass, as MLX's own SiLU does.
+    x = primals  # a single argument arrives as the array itself
+    sigmoid = 1 / (1 + exp(-x))
+    return cotangent * sigmoid * (1 + x * (1 - sigmoid))
+
+
+@mx.custom_function
+def softmax(x: mx.array) -> mx.array:
+    """Softmax over the last axis; the backward pass keeps only the output."""
+    weights = exp(x - x.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+@softmax.vjp
+def _softmax_vjp(primals, cotangent, output):
+    return output * (cotangent - (cotangent * output).sum(axis=-1, keepdims=True))
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    return silu(gate) * x
+
+
+def attention(queries, keys, values, scale: float, mask) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` for ``[B, H, T, D]`` queries attending to
+    ``[B, G, T, D]`` keys and values (grouped heads), written out with :func:`exp`.
+    ``mask``: None, ``"causal"``, or a boolean or additive array broadcastable to ``[B, H, T, T]``."""
+    batch, heads, length, dims = queries.shape
+    groups = keys.shape[1]
+    per_group = heads // groups
+    # Query head h reads key head h // per_group: group the queries so one matmul serves each.
+    grouped = (queries * scale).reshape(batch, groups, per_group * length, dims)
+    scores = (grouped @ keys.swapaxes(-1, -2)).reshape(batch, groups, per_group, length, length)
+    if isinstance(mask, str):
+        steps = mx.arange(length)
+        mask = steps[:, None] >= steps[None, :]
+    if mask is not None:
+        if mask.ndim == 4:  # [B, H or 1, T, T] -> [B, G, H/G or 1, T, T]
+            mask = mask.reshape(mask.shape[0], groups, per_group, length, length) if mask.shape[1] == heads \
+                else mask[:, :, None]
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    weights = softmax(scores)
+    out = weights.reshape(batch, groups, per_group * length, length) @ values
+    return out.reshape(batch, heads, length, dims)
+
+
+def _attention_for(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        # Training shapes on the CPU only: float32, no cache offset, no quantized cache, no sinks.
+        training_shape = queries.dtype == mx.float32 and queries.shape[2] == keys.shape[2]
+        plain = sinks is None and not hasattr(cache, "bits") and (not isinstance(mask, str) or mask == "causal")
+        if training_shape and plain and active():
+            return attention(queries, keys, values, scale, mask)
+        return original(queries, keys, values, cache, scale, mask, sinks)
+
+    scaled_dot_product_attention.mlxft_original = original
+    return scaled_dot_product_attention
+
+
+def _llama_mlp(self, x):
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _lfm2_mlp(self, x):
+    return self.w2(swiglu(self.w1(x), self.w3(x)))
+
+
+def enable(model: nn.Module) -> bool:
+    """Give a supported family's MLPs the vectorised SiLU (same weights, same function) and
+    its attention the written-out softmax; returns whether it applied. The MLPs change per
+    instance; attention is a function of the family's mlx-lm module, so it is replaced there
+    for the process, by one that takes :func:`attention` only for float32 training shapes
+    on the CPU and mlx-lm's own path otherwise. Other families keep mlx-lm's code."""
+    if models.family(model) not in SUPPORTED_FAMILIES:
+        return False
+    module = sys.modules[type(model).__module__]
+    if not hasattr(module.scaled_dot_product_attention, "mlxft_original"):
+        module.scaled_dot_product_attention = _attention_for(module.scaled_dot_product_attention)
+    for layer in model.layers:
+        mlp = layer.mlp if "mlp" in layer else layer.feed_forward
+        cls = type(mlp)
+        if getattr(cls, "_mlxft_fast_exp", False):
+            continue
+        call = _llama_mlp if "gate_proj" in mlp else _lfm2_mlp
+        mlp.__class__ = type(cls.__name__, (cls,), {"__call__": call, "_mlxft_fast_exp": True})
+    return True

@@ -1,0 +1,143 @@
+"""The vectorised exp and the MLPs built on it compute what MLX's own functions compute."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from mlxft import RunConfig, fastmath, lora, models
+from mlxft.config import AdapterConfig
+from mlxft.data import Dataset, Example
+from mlxft.loss import loss_fn
+from mlxft.trainer import Trainer
+
+
+def close(a: mx.array, b: mx.array, tolerance: float = 1e-5) -> bool:
+    """Equal up to float32 rounding, measured against the larger array's scale (elementwise
+    relative tolerances fail on elements that are a cancellation away from zero)."""
+    return mx.abs(a - b).max().item() <= tolerance * max(mx.abs(b).max().item(), 1e-3)
+
+
+def test_exp_matches_a_float64_reference_and_underflows_to_zero():
+    x = np.concatenate([np.linspace(-87, 88, 200_001), np.random.default_rng(0).normal(0, 5, 10_000)]).astype(np.float32)
+    got = np.array(fastmath.exp(mx.array(x))).astype(np.float64)
+    reference = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(got - reference) / reference) < 5e-7
+    assert np.array(fastmath.exp(mx.array([-mx.inf, -1e4, -87.5], mx.float32))).tolist() == [0.0, 0.0, 0.0]
+    assert fastmath.exp(mx.array([1.0], mx.bfloat16)).dtype == mx.bfloat16
+
+
+def test_exp_gradient_is_exp():
+    x = mx.random.normal((1000,)) * 4
+    assert mx.allclose(mx.grad(lambda v: fastmath.exp(v).sum())(x), mx.exp(x), rtol=1e-5).item()
+
+
+def test_swiglu_and_its_gradients_equal_mlx():
+    mx.random.seed(0)
+    gate, up = mx.random.normal((64, 96)) * 4, mx.random.normal((64, 96))
+
+    def theirs(g, u):
+        return (nn.silu(g) * u).sum()
+
+    def ours(g, u):
+        return fastmath.swiglu(g, u).sum()
+
+    assert close(ours(gate, up), theirs(gate, up))
+    for a, b in zip(mx.grad(ours, argnums=(0, 1))(gate, up), mx.grad(theirs, argnums=(0, 1))(gate, up)):
+        assert close(a, b)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "boolean", "additive", "per-head"])
+def test_attention_and_its_gradients_equal_mlx_s(mask):
+    batch, heads, groups, length, dims = 2, 6, 2, 16, 8
+    mx.random.seed(0)
+    q, k, v = (mx.random.normal((batch, n, length, dims)) for n in (heads, groups, groups))
+    steps = mx.arange(length)
+    documents = (steps >= 5)[None, None, :, None] == (steps >= 5)[None, None, None, :]
+    causal = steps[:, None] >= steps[None, :]
+    boolean = mx.broadcast_to(documents & causal, (batch, 1, length, length))
+    masks = {"none": None, "causal": "causal", "boolean": boolean,
+             "additive": mx.where(boolean, 0.0, -mx.inf),
+             "per-head": mx.broadcast_to(boolean, (batch, heads, length, length))}
+
+    def theirs(q, k, v):
+        return (mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=masks[mask]) * v.sum()).sum()
+
+    def ours(q, k, v):
+        return (fastmath.attention(q, k, v, 0.3, masks[mask]) * v.sum()).sum()
+
+    assert close(ours(q, k, v), theirs(q, k, v))
+    for a, b in zip(mx.grad(ours, argnums=(0, 1, 2))(q, k, v), mx.grad(theirs, argnums=(0, 1, 2))(q, k, v)):
+        assert close(a, b)
+
+
+def test_attention_outside_training_shapes_is_mlx_lm_s(llama_dir):
+    model, *_ = models.load(str(llama_dir), "float32")
+    fastmath.enable(model)
+    patched = sys.modules[type(model).__module__].scaled_dot_product_attention
+    calls = []
+
+    def original(*args):
+        calls.append(args)
+        return args[0]
+
+    q, k = mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, 5, 8))  # one new query against a cache of five
+    fallback = fastmath._attention_for(original)
+    assert fallback(q, k, k, None, 1.0, None) is q and len(calls) == 1
+    assert patched.mlxft_original is not patched
+
+
+def adapted(model_dir, fast: bool):
+    model, *_ = models.load(str(model_dir), "float32")
+    lora.apply(model, AdapterConfig(targets=["all"], rank=4, alpha=8.0), seed=0)
+    mx.random.seed(1)
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters()))
+    if fast:
+        assert fastmath.enable(model) and fastmath.enable(model)  # a second call changes nothing
+    return model
+
+
+def test_fast_mlps_give_the_loss_and_gradients_of_mlx_lm_s(model_dir):
+    rng = np.random.default_rng(0)
+    inputs = mx.array(rng.integers(10, 5000, size=(2, 24)).astype(np.int32))
+    positions = mx.arange(8, 48)
+    targets = mx.array(rng.integers(10, 5000, size=40).astype(np.int32))
+    weights = mx.ones((40,))
+    results = []
+    for fast in (False, True):
+        model = adapted(model_dir, fast)
+        value_and_grad = nn.value_and_grad(model, lambda m, *a: loss_fn(m, *a)[0])
+        loss, grads = value_and_grad(model, inputs, positions, targets, weights)
+        results.append((loss.item(), dict(tree_flatten(grads))))
+    (plain_loss, plain_grads), (fast_loss, fast_grads) = results
+    assert abs(plain_loss - fast_loss) < 1e-5 * abs(plain_loss)
+    for name, grad in plain_grads.items():
+        assert close(fast_grads[name], grad, 1e-4), name
+    assert getattr(type(model.layers[0].mlp if "mlp" in model.layers[0] else model.layers[0].feed_forward),
+                   "_mlxft_fast_exp", False)
+
+
+def test_other_families_keep_mlx_lm_s_mlp(llama_dir, monkeypatch):
+    model, *_ = models.load(str(llama_dir), "float32")
+    monkeypatch.setattr(models, "family", lambda m: "qwen2")
+    before = type(model.layers[0].mlp)
+    assert not fastmath.enable(model)
+    assert type(model.layers[0].mlp) is before
+
+
+def test_a_trainer_on_the_cpu_takes_the_vectorised_exp(llama_dir, tmp_path):
+    assert mx.default_device() == mx.cpu  # this repository's tests run on MLX's CPU backend
+    config = RunConfig.from_dict({
+        "model": {"model": str(llama_dir), "dtype": "float32"},
+        "data": {"data": "in-memory"},
+        "train": {"output_dir": str(tmp_path / "run"), "batch_size": 2, "max_steps": 1},
+    })
+    rows = [Example(np.arange(10, 30, dtype=np.int32), np.arange(20) >= 5) for _ in range(2)]
+    trainer = Trainer(config, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+    assert all(getattr(type(layer.mlp), "_mlxft_fast_exp", False) for layer in trainer.model.layers)
