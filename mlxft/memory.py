@@ -3,18 +3,16 @@
 Everything goes through MLX's device-neutral memory API, so Metal, CUDA and the CPU share
 one path; only the wired limit is Metal's alone (unified memory that must stay resident).
 
-The estimate of what a run needs adds what is known exactly (weights, adapters, their
+The peak-memory estimate adds what is known exactly (weights, adapters, their
 gradients and optimizer moments) to what is measured on the device at the run's batch
 shape: one forward and backward pass through one and through two layers of each kind (the
 difference is what each further layer keeps for the backward pass) and through the output
 head and loss at the largest supervised-token count. The probes run eagerly, at a small
-fraction of a step's cost, under a memory limit (see :func:`_probe`), and reflect the
-device's own kernels and any checkpointing.
+fraction of a step's cost, and reflect the device's own kernels and any checkpointing.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -92,24 +90,14 @@ def _nbytes(tree) -> int:
 
 
 def _probe(fn, *args) -> int:
-    """Extra bytes at the peak of evaluating ``fn(*args)`` over what is already allocated.
-
-    A GPU frees a buffer only once the queued work that read it has finished, so how far
-    the host runs ahead of the device decides much of a natural peak (on CUDA, per-layer
-    checkpointing peaked at 14 GB where 6 GB suffice). Under a memory limit below what is
-    allocated MLX waits for queued work before each step of the graph, so the probe
-    measures what evaluation needs, not what the queue happened to hold."""
+    """Extra bytes at the peak of evaluating ``fn(*args)`` over what is already allocated."""
     mx.eval(args)
     mx.synchronize()
     mx.clear_cache()
     base = mx.get_active_memory()
-    limit = mx.set_memory_limit(1)
-    try:
-        mx.reset_peak_memory()
-        mx.eval(fn(*args))
-        peak = mx.get_peak_memory() - base
-    finally:
-        mx.set_memory_limit(limit)
+    mx.reset_peak_memory()
+    mx.eval(fn(*args))
+    peak = mx.get_peak_memory() - base
     mx.clear_cache()
     return max(peak, 0)
 
@@ -162,7 +150,8 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
         if len(members) == 1:  # nothing to tell what it keeps from what it needs in passing
             activations += one
             continue
-        # Two distinct layers: the same layer twice keeps more on some devices (shared inputs).
+        # Two distinct layers: one layer applied twice kept several times what a layer of the
+        # real step keeps (checkpointed SmolLM2 on the CPU).
         per_layer = max(_layers_probe(members[:2], layout, x) - one, 0)
         activations += per_layer * len(members)
         transient = max(transient, one - per_layer)
@@ -180,13 +169,9 @@ def is_out_of_memory(err: BaseException) -> bool:
                                    "attempting to allocate", "malloc"))
 
 
-def advice(config, need: float | None = None) -> str:
-    """The settings that bring a run's memory down, most effective first. ``need`` (bytes,
-    the estimate) adds a memory limit when none is set and the need fits under MLX's own:
-    MLX then waits for queued work instead of holding the buffers it read."""
+def advice(config) -> str:
+    """The settings that bring a run's memory down, most effective first."""
     hints = []
-    if need is not None and config.train.memory_limit == 0 and need < mx.get_memory_limit():
-        hints.append(f"--memory-limit {math.ceil(1.1 * need / GB)}")
     if not config.model.grad_checkpoint:
         hints.append("--grad-checkpoint")
     hints.append(f"--batch-size {max(config.train.batch_size // 2, 1)} with --grad-accum-steps "

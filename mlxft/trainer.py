@@ -208,8 +208,7 @@ class Trainer:
             if memory.is_out_of_memory(err):
                 raise TrainingStopped(
                     f"out of memory at step {self.step_count + 1} ({str(err).splitlines()[0]}); "
-                    + memory.advice(self.config, self.estimate and self.estimate.total)
-                    + "; then --resume latest to continue from the last checkpoint",
+                    + memory.advice(self.config) + "; then --resume latest to continue from the last checkpoint",
                     1, None) from err
             if self.world.size == 1:
                 raise
