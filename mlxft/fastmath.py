@@ -65,7 +65,7 @@ def silu(x: mx.array) -> mx.array:
 
 @silu.vjp
 def _silu_vjp(primals, cotangent, output):
-    # Recomputing the sigmoid keeps only x for the backward pass, as MLX's own SiLU does.
+    # Recomputing the sigmoid here means the backward pass keeps only x, not exp's output.
     x = primals  # a single argument arrives as the array itself
     sigmoid = 1 / (1 + exp(-x))
     return cotangent * sigmoid * (1 + x * (1 - sigmoid))
