@@ -144,9 +144,5 @@ def enable(model: nn.Module) -> bool:
         module.scaled_dot_product_attention = _attention_for(module.scaled_dot_product_attention)
     for layer in model.layers:
         mlp = layer.mlp if "mlp" in layer else layer.feed_forward
-        cls = type(mlp)
-        if getattr(cls, "_mlxft_fast_exp", False):
-            continue
-        call = _llama_mlp if "gate_proj" in mlp else _lfm2_mlp
-        mlp.__class__ = type(cls.__name__, (cls,), {"__call__": call, "_mlxft_fast_exp": True})
+        models.override_call(mlp, _llama_mlp if "gate_proj" in mlp else _lfm2_mlp, "_mlxft_fast_exp")
     return True

@@ -124,18 +124,20 @@ def family(model: nn.Module) -> str:
     return str(getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1]))
 
 
-def checkpoint_layers(model: nn.Module) -> None:
-    """Recompute each transformer layer's activations in the backward pass (less memory).
+def override_call(module: nn.Module, call: Callable, marker: str) -> None:
+    """Give ``module`` its own subclass whose ``__call__`` is ``call``, unless an earlier
+    override named ``marker`` is already in place. Parameter names stay as they are, and
+    other instances of the class (other models in the process) are unaffected."""
+    cls = type(module)
+    if not getattr(cls, marker, False):
+        module.__class__ = type(cls.__name__, (cls,), {"__call__": call, marker: True})
 
-    Each layer instance gets its own subclass whose ``__call__`` runs under
-    ``mx.checkpoint``; parameter names stay as they are, and other models in the process
-    (which share the layer classes) are unaffected.
-    """
+
+def checkpoint_layers(model: nn.Module) -> None:
+    """Recompute each transformer layer's activations in the backward pass (less memory):
+    each layer's ``__call__`` runs under ``mx.checkpoint`` (see :func:`override_call`)."""
     for layer in model.layers:
-        cls = type(layer)
-        if getattr(cls, "_mlxft_checkpointed", False):
-            continue
-        plain_call = cls.__call__
+        plain_call = type(layer).__call__
 
         def checkpointed(self, *args, _call=plain_call, **kwargs):
             def inner(params, *inner_args):
@@ -144,4 +146,4 @@ def checkpoint_layers(model: nn.Module) -> None:
 
             return mx.checkpoint(inner)(self.trainable_parameters(), *args)
 
-        layer.__class__ = type(cls.__name__, (cls,), {"__call__": checkpointed, "_mlxft_checkpointed": True})
+        override_call(layer, checkpointed, "_mlxft_checkpointed")

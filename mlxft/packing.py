@@ -20,6 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxft.errors import UserError
+from mlxft.models import override_call
 
 SUPPORTED_FAMILIES = ("llama", "lfm2")
 
@@ -95,9 +96,8 @@ def enable(model: nn.Module) -> None:
         if attention is not None and not isinstance(attention.rope, DocumentRoPE):
             attention.rope = DocumentRoPE(attention.rope)
         conv = getattr(layer, "conv", None)
-        if conv is not None and not getattr(type(conv), "_mlxft_documents", False):
-            cls = type(conv)
-            conv.__class__ = type(cls.__name__, (cls,), {"__call__": _document_short_conv, "_mlxft_documents": True})
+        if conv is not None:
+            override_call(conv, _document_short_conv, "_mlxft_documents")
 
 
 def hidden_states(model: nn.Module, inputs: mx.array, positions: mx.array, segments: mx.array) -> mx.array:
