@@ -60,6 +60,7 @@ class Reporter:
             "epoch": epoch,
             "loss": loss,
             "learning_rate": learning_rate,
+            "seconds": elapsed,  # the window's training time: with the rates, what it trained
             "supervised_tokens_per_sec": self._tokens / elapsed,
             "tokens_per_sec": self._real_tokens / elapsed,
             "peak_memory_gb": mx.get_peak_memory() / 1e9,

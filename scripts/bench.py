@@ -9,7 +9,7 @@ the second), and gets the same model, the same tokenized rows, LoRA rank 8 on ev
 linear of every layer, the same batch size, seed, optimizer (Adam) and number of optimizer
 steps. mlx-lm runs `mlx_lm.tuner.trainer.train` with its compiled step and `default_loss`;
 mlxft runs its `Trainer`. Reported per trainer: supervised tokens/s and real (non-padding)
-tokens/s over the steps after warm-up, peak memory (`mx.get_peak_memory`), the last training
+tokens/s over the wall-clock time of the steps after warm-up (batching included for both), peak memory (`mx.get_peak_memory`), the last training
 loss, and the validation loss of the trained adapters under one common loss (mlxft's).
 Workloads: ``chat`` (completion-only SFT, variable lengths, ~45% prompt) and ``text``
 (pretraining: every token supervised). Writes JSON to benchmarks/.
@@ -110,22 +110,24 @@ def run_mlx_lm(args, rows, val_rows):
     reports = []
 
     class Capture(TrainingCallback):
-        def on_train_loss_report(self, info):
-            reports.append(info)
+        def on_train_loss_report(self, info):  # wall-clock, as mlxft's windows are (batching included)
+            reports.append(dict(info, wall=time.perf_counter()))
 
     mx.reset_peak_memory()
     with tempfile.TemporaryDirectory() as tmp:
-        targs = TrainingArgs(batch_size=args.batch_size, iters=args.steps, steps_per_report=args.steps - args.warmup,
+        targs = TrainingArgs(batch_size=args.batch_size, iters=args.steps, steps_per_report=args.warmup,
                              steps_per_eval=10**9, steps_per_save=10**9, max_seq_length=args.max_len + 1,
                              adapter_file=str(Path(tmp) / "adapters.safetensors"))
         tic = time.perf_counter()
         train(model, optim.Adam(learning_rate=args.lr), dataset, None, args=targs, training_callback=Capture())
         wall = time.perf_counter() - tic
     peak = mx.get_peak_memory() / 1e9
+    start = next(r for r in reports if r["iteration"] == args.warmup)
     last = reports[-1]
+    supervised_per_sec = (last["trained_tokens"] - start["trained_tokens"]) / (last["wall"] - start["wall"])
     real_per_supervised = sum(len(r.ids) - 1 for r in rows) / sum(r.supervised for r in rows)
-    result = {"trainer": "mlx-lm", "supervised_tokens_per_sec": last["tokens_per_second"],
-              "tokens_per_sec": last["tokens_per_second"] * real_per_supervised, "peak_memory_gb": peak,
+    result = {"trainer": "mlx-lm", "supervised_tokens_per_sec": supervised_per_sec,
+              "tokens_per_sec": supervised_per_sec * real_per_supervised, "peak_memory_gb": peak,
               "train_loss": last["train_loss"], "val_loss": common_val_loss(model, val_rows, args.batch_size),
               "wall_s": wall}
     del model
@@ -145,7 +147,7 @@ def run_mlxft(args, rows, val_rows):
             "adapter": {"targets": ["all"], "rank": args.rank, "alpha": 2.0 * args.rank},
             "optim": {"optimizer": "adam", "learning_rate": args.lr, "schedule": "constant", "max_grad_norm": 0.0},
             "train": {"output_dir": tmp, "batch_size": args.batch_size, "max_steps": args.steps,
-                      "log_every": args.log_every or args.steps - args.warmup, "backend": args.backend,
+                      "log_every": args.log_every or args.warmup, "backend": args.backend,
                       "clear_cache_above": args.clear_cache_above, "memory_limit": args.memory_limit,
                       "cache_limit": args.cache_limit},
         })
@@ -161,9 +163,11 @@ def run_mlxft(args, rows, val_rows):
             return None
         trainer.world.close()
         records = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-    last = [r for r in records if r["type"] == "train"][-1]
-    result = {"trainer": "mlxft", "supervised_tokens_per_sec": last["supervised_tokens_per_sec"],
-              "tokens_per_sec": last["tokens_per_sec"], "peak_memory_gb": peak, "train_loss": last["loss"],
+    timed = [r for r in records if r["type"] == "train" and r["step"] > args.warmup]
+    seconds = sum(r["seconds"] for r in timed)
+    last = timed[-1]
+    result = {"trainer": "mlxft", "supervised_tokens_per_sec": sum(r["supervised_tokens_per_sec"] * r["seconds"] for r in timed) / seconds,
+              "tokens_per_sec": sum(r["tokens_per_sec"] * r["seconds"] for r in timed) / seconds, "peak_memory_gb": peak, "train_loss": last["loss"],
               "val_loss": common_val_loss(trainer.model, val_rows, args.batch_size), "wall_s": wall,
               "estimated_peak_memory_gb": trainer.estimate.total / 1e9}
     del trainer, model
@@ -180,7 +184,7 @@ def main() -> None:
     p.add_argument("--fixed-length", type=int, default=0, help="every row this long (the GPU anchors use 512)")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=4, help="steps excluded from the throughput figures")
+    p.add_argument("--warmup", type=int, default=4, help="steps excluded from the throughput figures (both trainers report every this many steps)")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--grad-checkpoint", action="store_true", help="mlxft recomputes layer activations")
@@ -190,11 +194,13 @@ def main() -> None:
     p.add_argument("--clear-cache-above", type=float, default=-1.0, help="mlxft's train.clear_cache_above (GB)")
     p.add_argument("--memory-limit", type=float, default=0.0, help="mlxft's train.memory_limit (GB; MLX waits for queued work above it)")
     p.add_argument("--cache-limit", type=float, default=-1.0, help="mlxft's train.cache_limit (GB)")
-    p.add_argument("--log-every", type=int, default=0, help="mlxft's log interval (default: once after warm-up)")
+    p.add_argument("--log-every", type=int, default=0, help="mlxft's log interval (default: --warmup; must divide it)")
     p.add_argument("--only", choices=("both", "mlxft", "mlx-lm"), default="both")
     p.add_argument("--backend", default="none", help="mlxft's distributed backend (auto under mlx.launch)")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    if not 0 < args.warmup < args.steps or (args.log_every and args.warmup % args.log_every):
+        p.error("need 0 < --warmup < --steps, and --log-every dividing --warmup")
     if args.fixed_length:
         args.max_len = args.fixed_length
     vocab = CONFIGS[args.model.split(":", 1)[1]]["vocab_size"] if args.model.startswith("config:") else 49152
