@@ -28,7 +28,7 @@ from mlxft.loss import cross_entropy, hidden_loss, loss_fn
 from mlxft.optim import build_optimizer
 from mlxft.report import Reporter
 from mlxft.signals import StopRequests
-from mlxft.step import LossScaler, build_step
+from mlxft.step import LossScaler, build_step, gradient_tree, gradient_window, optimizer_state
 
 
 @dataclass
@@ -137,6 +137,10 @@ class Trainer:
         self.step = build_step(model, self.optimizer, partial(loss_fn, label_smoothing=config.optim.label_smoothing,
                                                                   chunk=config.model.loss_chunk),
                                config.optim.max_grad_norm, reduce=self.world.all_sum if self.world.size > 1 else None)
+        self.layout = self.step.layout
+        if self.window is not None:  # restored per parameter; the step may hold it as one vector
+            grads, loss_sum, tokens = self.window
+            self.window = (gradient_window(grads, self.layout), loss_sum, tokens)
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if resume_from is None:
@@ -396,14 +400,14 @@ class Trainer:
         Only rank 0 writes; the others return the path it writes to."""
         if not self.world.is_main:
             return self.run_dir / checkpoint.checkpoint_name(self.step_count, kind)
-        optimizer_state = dict(tree_flatten(self.optimizer.state))
+        moments = dict(tree_flatten(optimizer_state(self.optimizer, self.layout)))
         window = None
         if self.window is not None:
             grads, loss_sum, tokens = self.window
-            window = {**dict(tree_flatten(grads)), "mlxft.loss_sum": loss_sum, "mlxft.tokens": tokens}
+            window = {**dict(tree_flatten(gradient_tree(grads, self.layout))), "mlxft.loss_sum": loss_sum, "mlxft.tokens": tokens}
         path = checkpoint.save_checkpoint(
             self.run_dir, checkpoint.checkpoint_name(self.step_count, kind), self.model, self.adapter_metadata(),
-            optimizer_state, window, self.resume_state(), self.config.to_dict())
+            moments, window, self.resume_state(), self.config.to_dict())
         self.reporter.info(f"checkpoint {path}")
         return path
 

@@ -8,14 +8,14 @@ import pytest
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlxft import lora, models
 from mlxft.config import AdapterConfig, OptimConfig
 from mlxft.data import Example, make_batch
 from mlxft.loss import loss_fn
 from mlxft.optim import build_optimizer, learning_rate_at
-from mlxft.step import build_step
+from mlxft.step import build_step, gradient_tree, gradient_window, optimizer_state
 
 
 def lora_model(model_dir, seed=0):
@@ -38,10 +38,10 @@ def uneven_rows():
     return rows
 
 
-def params_after(model_dir, micro_batches, batch_size, optimizer_cls=optim.SGD):
+def params_after(model_dir, micro_batches, batch_size, optimizer_cls=optim.SGD, flat=None):
     model = lora_model(model_dir)
     opt = optimizer_cls(learning_rate=0.5)
-    step = build_step(model, opt, loss_fn)
+    step = build_step(model, opt, loss_fn, flat=flat)
     window = None
     for i, rows in enumerate(micro_batches):
         result, window = step(make_batch(rows, batch_size, 4).arrays(), window, update=i == len(micro_batches) - 1)
@@ -49,10 +49,11 @@ def params_after(model_dir, micro_batches, batch_size, optimizer_cls=optim.SGD):
     return dict(tree_flatten(model.trainable_parameters())), result
 
 
-def test_accumulation_equals_one_big_batch(model_dir):
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per-tensor"])
+def test_accumulation_equals_one_big_batch(model_dir, flat):
     rows = uneven_rows()
-    big, big_result = params_after(model_dir, [rows], 6)
-    small, small_result = params_after(model_dir, [rows[0:2], rows[2:4], rows[4:6]], 2)
+    big, big_result = params_after(model_dir, [rows], 6, flat=flat)
+    small, small_result = params_after(model_dir, [rows[0:2], rows[2:4], rows[4:6]], 2, flat=flat)
     assert small_result.tokens.item() == big_result.tokens.item() == sum(e.supervised for e in rows)
     assert small_result.loss_sum.item() == pytest.approx(big_result.loss_sum.item(), rel=1e-5)
     start = dict(tree_flatten(lora_model(model_dir).trainable_parameters()))
@@ -74,10 +75,11 @@ def test_mean_of_means_would_differ(model_dir):
     assert max(diffs) > 1e-3
 
 
-def test_clipping_caps_the_global_norm(llama_dir):
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per-tensor"])
+def test_clipping_caps_the_global_norm(llama_dir, flat):
     model = lora_model(llama_dir)
     before = dict(tree_flatten(model.trainable_parameters()))
-    step = build_step(model, optim.SGD(learning_rate=1.0), loss_fn, max_grad_norm=1e-3)
+    step = build_step(model, optim.SGD(learning_rate=1.0), loss_fn, max_grad_norm=1e-3, flat=flat)
     result, _ = step(make_batch(uneven_rows(), 6, 4).arrays(), None, update=True)
     mx.eval(step.state, result.grad_norm)
     after = dict(tree_flatten(model.trainable_parameters()))
@@ -86,11 +88,12 @@ def test_clipping_caps_the_global_norm(llama_dir):
     assert delta == pytest.approx(1e-3, rel=1e-3)
 
 
-def test_non_finite_gradients_skip_the_update(llama_dir):
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per-tensor"])
+def test_non_finite_gradients_skip_the_update(llama_dir, flat):
     model = lora_model(llama_dir)
     opt = optim.Adam(learning_rate=1e-2)
     batch = make_batch(uneven_rows(), 6, 4).arrays()
-    good = build_step(model, opt, loss_fn)
+    good = build_step(model, opt, loss_fn, flat=flat)
     result, _ = good(batch, None, update=True)
     mx.eval(good.state)
     assert result.applied.item()
@@ -101,7 +104,7 @@ def test_non_finite_gradients_skip_the_update(llama_dir):
         loss, n = loss_fn(m, *b)
         return loss * mx.array(float("inf")), n
 
-    bad = build_step(model, opt, exploding)
+    bad = build_step(model, opt, exploding, flat=flat)
     result, _ = bad(batch, None, update=True)
     mx.eval(bad.state)
     assert not result.applied.item()
@@ -109,6 +112,44 @@ def test_non_finite_gradients_skip_the_update(llama_dir):
         assert mx.array_equal(v, params[k]).item(), k
     for k, v in tree_flatten({k: v for k, v in opt.state.items() if k not in ("step", "learning_rate")}):
         assert mx.array_equal(v, moments[k]).item(), k
+
+
+def test_flat_update_equals_per_tensor_update(llama_dir):
+    """Adapters laid end to end (one clip, guard and AdamW update) train exactly as per tensor,
+    checkpoint the same per-parameter optimizer state, and adopt a per-tensor one on resume."""
+    rows = uneven_rows()
+    runs = {}
+    for flat in (True, False):
+        model = lora_model(llama_dir)
+        opt = optim.AdamW(learning_rate=1e-2, weight_decay=0.1)
+        step = build_step(model, opt, loss_fn, max_grad_norm=0.5, flat=flat)
+        assert (step.layout is not None) == flat
+        window = None
+        for i, part in enumerate([rows[0:2], rows[2:4], rows[4:6], rows[0:3]]):
+            result, window = step(make_batch(part, 3, 4).arrays(), window, update=i % 2 == 1)
+            mx.eval(step.state, window)
+        runs[flat] = (model, dict(tree_flatten(optimizer_state(opt, step.layout))), result)
+    (flat_model, flat_state, flat_result), (model, state, result) = runs[True], runs[False]
+    assert flat_result.grad_norm.item() == pytest.approx(result.grad_norm.item(), rel=1e-5)
+    params = dict(tree_flatten(model.trainable_parameters()))
+    # Adam divides by the root of tiny second moments, so the last bits of a near-zero gradient
+    # (matmuls on views vs whole arrays) can move a weight by ~1e-7; the learning rate is 1e-2.
+    for name, value in tree_flatten(flat_model.trainable_parameters()):
+        np.testing.assert_allclose(np.array(value), np.array(params[name]), rtol=1e-5, atol=2e-6, err_msg=name)
+    assert flat_state.keys() == state.keys() and len(state) > 2  # step, learning rate and every moment
+    for name in state:
+        np.testing.assert_allclose(np.array(flat_state[name]), np.array(state[name]), rtol=1e-5, atol=1e-8, err_msg=name)
+
+    # A per-tensor state (an older checkpoint) is adopted by a flat step and continues identically.
+    opt = optim.AdamW(learning_rate=1e-2, weight_decay=0.1)
+    opt.init(model.trainable_parameters())
+    opt.state.update(tree_unflatten(list(state.items())))
+    step = build_step(model, opt, loss_fn, max_grad_norm=0.5, flat=True)
+    adopted = dict(tree_flatten(optimizer_state(opt, step.layout)))
+    assert adopted.keys() == state.keys()
+    assert all(mx.array_equal(adopted[k], state[k]).item() for k in state)
+    gradient = gradient_window(gradient_tree(mx.arange(sum(step.layout.sizes), dtype=mx.float32), step.layout), step.layout)
+    assert mx.array_equal(gradient, mx.arange(gradient.size, dtype=mx.float32)).item()
 
 
 def test_schedule_values():
