@@ -4,7 +4,8 @@ Each micro-batch contributes the gradient of its *summed* loss, so a window of K
 micro-batches divided by the window's total supervised-token count is exactly the gradient
 of one batch holding all their tokens (mlx-lm averages per-batch means instead, which
 over-weights short batches). The update clips the global norm and is discarded, leaving
-weights and optimizer moments untouched, when that norm is not finite.
+weights and optimizer moments untouched, when that norm is not finite. Adapters' many small
+tensors go through that update as one vector (:class:`FlatTrainables`).
 
 The step is one function compiled once over the explicit state ``[model.state,
 optimizer.state, mx.random.state]``; its Python-level switches (first micro-batch of a
