@@ -67,11 +67,16 @@ class FlatTrainables:
         flat = dict(tree_flatten(tree))
         return mx.concatenate([flat[name].reshape(-1) for name in self.names])
 
-    def unflatten(self, vector: mx.array):
+    def views(self, vector: mx.array) -> dict[str, mx.array]:
+        """Each parameter's slice of ``vector``, by its flattened name."""
         views, offset = {}, 0
         for name, shape, size in zip(self.names, self.shapes, self.sizes):
             views[name] = vector[offset:offset + size].reshape(shape)
             offset += size
+        return views
+
+    def unflatten(self, vector: mx.array):
+        views = self.views(vector)
         return tree_map_with_path(lambda path, _: views[path], self.template)
 
     def adopt_state(self, optimizer: optim.Optimizer) -> None:
@@ -88,7 +93,7 @@ class FlatTrainables:
     def state_tree(self, optimizer: optim.Optimizer) -> dict:
         """The optimizer state per parameter, as a tree-laid optimizer would hold it (checkpoints)."""
         flat = optimizer.state.get(self.KEY, {})
-        moments = {k: dict(tree_flatten(self.unflatten(v))) for k, v in flat.items()}
+        moments = {k: self.views(v) for k, v in flat.items()}
         tree = {k: v for k, v in optimizer.state.items() if k in _SCHEDULE_KEYS}
         tree.update(tree_map_with_path(lambda path, _: {k: moments[k][path] for k in moments}, self.template))
         return tree
@@ -146,6 +151,7 @@ def build_step(
         return norm, finite
 
     def update_flat(grads, tokens, loss_scale):
+        # Read from the model each step, not kept as state: a resume or a user may replace them.
         params = layout.flatten(model.trainable_parameters())
         grads = grads / (mx.maximum(tokens, 1) * loss_scale)  # before squaring: float16 loss scales are large
         norm = mx.sqrt(grads.square().sum())
