@@ -43,6 +43,17 @@ class TrainResult:
     main_process: bool = True  # False on data-parallel ranks other than 0
 
 
+@dataclass
+class _QueuedStep:
+    """An optimizer step queued on the device whose results are not read yet."""
+
+    step: int
+    epoch: int
+    result: object  # mlxft.step.StepResult
+    real_tokens: int
+    learning_rate: mx.array  # the rate this step used (the optimizer's moves on with the next)
+
+
 class TrainingStopped(Exception):
     """The run stopped early: a signal or gradients that stay non-finite (after saving), or out of memory."""
 
@@ -129,6 +140,8 @@ class Trainer:
         self.step_count = self.epoch = self.batch_index = 0
         self.window = None
         self.window_real_tokens = 0
+        self.pending: list[_QueuedStep] = []  # optimizer steps queued but not read yet
+        self.in_flight = None  # the last queued micro-batch's output, waited for after the next is queued
         self.skipped_steps = self.nonfinite_streak = 0
         self.best_val_loss: float | None = None
         self.last_val_loss: float | None = None
@@ -232,6 +245,7 @@ class Trainer:
                     # windows: an open window holds each rank's own partial gradients.
                     at_boundary = self.window is None or self.world.size == 1
                     if at_boundary and self.world.any(self.stop.requested):
+                        self._drain()
                         self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
                         path = self.save_checkpoint("emergency")
                         raise TrainingStopped(f"stopped by {self.stop.name} at step {self.step_count}; saved {path}; "
@@ -239,6 +253,7 @@ class Trainer:
                     self._micro_step(batches)
                 if self.batch_index >= len(batches):
                     self.epoch, self.batch_index = self.epoch + 1, 0
+            self._drain()
         if self.valid_set is not None and (not t.eval_every or self.step_count % t.eval_every):
             self._evaluate()
         self.save()
@@ -252,21 +267,80 @@ class Trainer:
         return result
 
     def _micro_step(self, batches) -> None:
-        """One micro-batch; the last of its window (or of the epoch) applies the update."""
+        """Queue one micro-batch; the last of its window (or of the epoch) applies the update.
+
+        The device runs a step while the host builds the next (the step is host-bound on small
+        models and short rows): a micro-batch is queued before the previous one's results are
+        read. An optimizer step that evaluates, saves, ends the run or sets the next step's
+        loss scale is finished before anything else is queued (see :meth:`_may_run_ahead`).
+        """
         accum, i = self.config.train.grad_accum_steps, self.batch_index
         update = (i + 1) % accum == 0 or i == len(batches) - 1
         batch = self.batch(self.train_set, batches[i])
         # Dropout noise is a function of the position alone, so a resumed run draws the same.
         mx.random.seed(int(np.random.SeedSequence([self.config.train.seed, self.epoch, i]).generate_state(1)[0]))
         result, self.window = self.step(batch.arrays(), self.window, update, self.scaler.array)
-        mx.eval(self.step.state, result.loss_sum, result.tokens, self.window)
+        mx.async_eval(self.step.state, result.loss_sum, result.tokens, self.window)
+        if self.in_flight is not None:
+            mx.eval(self.in_flight)  # at most two micro-batches queued
+        self.in_flight = result.tokens
         self.world.heartbeat()
         self.batch_index += 1
         self.window_real_tokens += batch.real_tokens
+        ready, self.pending = self.pending, []
         if update:
-            memory.release_cache(self.config.train.clear_cache_above)
-            self._check_memory_limit()
-            self._finish_step(result)
+            self.step_count += 1
+            done = _QueuedStep(self.step_count, self.epoch, result, self.window_real_tokens,
+                               self.optimizer.state["learning_rate"])
+            self.window_real_tokens = 0
+            (self.pending if self._may_run_ahead(self.step_count) else ready).append(done)
+        self._finish(ready)
+
+    def _may_run_ahead(self, step: int) -> bool:
+        """Whether the next micro-batch may be queued before optimizer step ``step`` is read."""
+        t = self.config.train
+        evaluates = self.valid_set is not None and t.eval_every and step % t.eval_every == 0
+        saves = t.save_every and step % t.save_every == 0
+        return not (self.scaler.enabled or evaluates or saves or step >= self.total_steps)
+
+    def _drain(self) -> None:
+        """Finish every queued optimizer step (before saving or leaving the loop)."""
+        steps, self.pending = self.pending, []
+        self._finish(steps)
+
+    def _finish(self, steps: list[_QueuedStep]) -> None:
+        for n, done in enumerate(steps):
+            self._account(done)
+            limit = self.config.optim.max_nonfinite_steps
+            if limit and self.nonfinite_streak >= limit and self.scaler.scale <= 1.0:
+                streak = self.nonfinite_streak
+                for later in steps[n + 1:]:  # queued behind it: the checkpoint holds them
+                    self._account(later)
+                self._drain()
+                path = self.save_checkpoint("emergency")
+                raise TrainingStopped(
+                    f"gradients were not finite for {streak} steps in a row (step {done.step}); saved {path}. "
+                    "Lower --learning-rate, set --max-grad-norm, or check the data, then --resume latest", 1, path)
+            self._after_step(done)
+
+    def _account(self, done: _QueuedStep) -> None:
+        """Read one optimizer step's results: loss, tokens, whether it applied."""
+        result = done.result
+        applied = bool(result.applied.item())
+        self.scaler.update(applied)
+        real_tokens = done.real_tokens
+        if self.world.size > 1:  # loss and supervised tokens come back global from the step
+            real_tokens = int(self.world.all_sum(mx.array(real_tokens)).item())
+        self.reporter.step(done.step, result.loss_sum.item(), int(result.tokens.item()), real_tokens)
+        memory.release_cache(self.config.train.clear_cache_above)
+        self._check_memory_limit()
+        if not applied:
+            self.skipped_steps += 1
+            self.nonfinite_streak += 1
+            self.reporter.info(f"step {done.step}: gradient norm is not finite; update skipped"
+                               + (f" (loss scale now {self.scaler.scale:g})" if self.scaler.enabled else ""))
+        else:
+            self.nonfinite_streak = 0
 
     def _check_memory_limit(self) -> None:
         peak, limit = mx.get_peak_memory(), mx.get_memory_limit()
@@ -276,31 +350,6 @@ class Trainer:
             self.reporter.info(f"warning: peak memory {peak / memory.GB:.2f} GB passed the memory limit of "
                                f"{limit / memory.GB:.2f} GB, so MLX waits for memory and may swap; "
                                + memory.advice(self.config))
-
-    def _finish_step(self, result) -> None:
-        self.step_count += 1
-        applied = bool(result.applied.item())
-        self.scaler.update(applied)
-        real_tokens = self.window_real_tokens
-        if self.world.size > 1:  # loss and supervised tokens come back global from the step
-            real_tokens = int(self.world.all_sum(mx.array(real_tokens)).item())
-        self.reporter.step(self.step_count, result.loss_sum.item(), int(result.tokens.item()), real_tokens)
-        self.window_real_tokens = 0
-        if not applied:
-            self.skipped_steps += 1
-            self.nonfinite_streak += 1
-            self.reporter.info(f"step {self.step_count}: gradient norm is not finite; update skipped"
-                               + (f" (loss scale now {self.scaler.scale:g})" if self.scaler.enabled else ""))
-            limit = self.config.optim.max_nonfinite_steps
-            if limit and self.nonfinite_streak >= limit and self.scaler.scale <= 1.0:
-                path = self.save_checkpoint("emergency")
-                raise TrainingStopped(
-                    f"gradients were not finite for {self.nonfinite_streak} steps in a row (step {self.step_count}); "
-                    f"saved {path}. Lower --learning-rate, set --max-grad-norm, or check the data, then --resume latest",
-                    1, path)
-        else:
-            self.nonfinite_streak = 0
-        self._after_step()
 
     def _exact_match(self, when: str):
         """Exact-match of greedy answers on the first validation rows (the training rows if none)."""
@@ -314,10 +363,10 @@ class Trainer:
         for old, new in list(zip(before[1], after[1]))[:count]:
             self.reporter.info(f"Q: {old.prompt}\n  reference: {old.reference}\n  before: {old.generated!r}\n  after:  {new.generated!r}")
 
-    def _after_step(self) -> None:
-        t, k = self.config.train, self.step_count
+    def _after_step(self, done: _QueuedStep) -> None:
+        t, k = self.config.train, done.step
         if k % t.log_every == 0 or k == self.total_steps:
-            self.reporter.train(k, self.epoch + 1, self.learning_rate, self.skipped_steps)
+            self.reporter.train(k, done.epoch + 1, float(done.learning_rate.item()), self.skipped_steps)
         if self.valid_set is not None and t.eval_every and k % t.eval_every == 0:
             self._evaluate()
         if t.save_every and k % t.save_every == 0 and k < self.total_steps:

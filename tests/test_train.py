@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from mlxft import RunConfig, Trainer, fine_tune
 from mlxft.checkpoint import load_adapter_weights
@@ -192,3 +193,28 @@ def checkpoint_weights(trainer):
     from mlx.utils import tree_flatten
 
     return tree_flatten(trainer.model.trainable_parameters())
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_queued_steps_report_what_synchronous_steps_report(llama_dir, chat_data, tmp_path, monkeypatch, accum):
+    """The next micro-batch is queued before a step's results are read: the same losses, rates
+    (warm-up moves them every step), epochs and weights as reading each step before the next."""
+    runs = {}
+    for run_ahead in (True, False):
+        if not run_ahead:
+            monkeypatch.setattr(Trainer, "_may_run_ahead", lambda self, step: False)
+        cfg = config(llama_dir, chat_data, tmp_path / f"ahead-{run_ahead}", epochs=3, grad_accum_steps=accum, eval_every=0)
+        cfg.optim.warmup_steps = 4
+        trainer = Trainer(cfg)
+        queued, finish = [], trainer._finish
+        trainer._finish = lambda steps: (queued.append(len(trainer.pending)), finish(steps))
+        trainer.train()
+        records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        train = [{k: r[k] for k in ("step", "epoch", "loss", "learning_rate", "skipped_steps")} for r in records if r["type"] == "train"]
+        runs[run_ahead] = (max(queued), train, {k: np.array(v) for k, v in tree_flatten(trainer.model.trainable_parameters())})
+    (ahead, train_ahead, weights_ahead), (sync, train_sync, weights_sync) = runs[True], runs[False]
+    assert ahead == 1 and sync == 0
+    assert len(train_ahead) == trainer.total_steps and train_ahead == train_sync
+    assert len({r["learning_rate"] for r in train_ahead}) > 3
+    for name, value in weights_sync.items():
+        np.testing.assert_array_equal(weights_ahead[name], value, err_msg=name)
