@@ -314,9 +314,9 @@ class Trainer:
             limit = self.config.optim.max_nonfinite_steps
             if limit and self.nonfinite_streak >= limit and self.scaler.scale <= 1.0:
                 streak = self.nonfinite_streak
-                for later in steps[n + 1:]:  # queued behind it: the checkpoint holds them
+                for later in steps[n + 1:] + self.pending:  # queued behind it: the checkpoint holds them
                     self._account(later)
-                self._drain()
+                self.pending = []
                 path = self.save_checkpoint("emergency")
                 raise TrainingStopped(
                     f"gradients were not finite for {streak} steps in a row (step {done.step}); saved {path}. "

@@ -107,9 +107,14 @@ def test_retention_keeps_the_newest_and_never_final_or_emergency(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3-emergency", "checkpoint-6", "checkpoint-8", "final", "latest"]
 
 
-def test_non_finite_streak_stops_with_an_emergency_checkpoint(llama_dir, uninterrupted, tmp_path):
-    cfg = config(llama_dir, uninterrupted[0], tmp_path / "run")
-    cfg.optim.max_nonfinite_steps = 2
+@pytest.mark.parametrize("accum, save_every, limit, saved_at", [
+    (2, 2, 2, 2),  # the limit is reached on a step read before the next micro-batch is queued
+    (1, 0, 1, 2),  # reached on a step read late: the step queued behind it is in the checkpoint too
+])
+def test_non_finite_streak_stops_with_an_emergency_checkpoint(llama_dir, uninterrupted, tmp_path, accum, save_every,
+                                                               limit, saved_at):
+    cfg = config(llama_dir, uninterrupted[0], tmp_path / "run", grad_accum_steps=accum, save_every=save_every)
+    cfg.optim.max_nonfinite_steps = limit
     trainer = Trainer(cfg)
     original = trainer.step
 
@@ -121,10 +126,13 @@ def test_non_finite_streak_stops_with_an_emergency_checkpoint(llama_dir, uninter
 
     poisoned.state = original.state
     trainer.step = poisoned
-    with pytest.raises(TrainingStopped, match="not finite for 2 steps in a row") as stopped:
+    with pytest.raises(TrainingStopped, match=f"not finite for {limit} steps in a row") as stopped:
         trainer.train()
-    assert stopped.value.exit_code == 1 and stopped.value.checkpoint.exists()
-    assert trainer.skipped_steps == 2
+    assert stopped.value.exit_code == 1 and stopped.value.checkpoint.name == f"checkpoint-{saved_at}-emergency"
+    state = json.loads((stopped.value.checkpoint / "trainer_state.json").read_text())
+    # The checkpoint describes every step its weights went through.
+    assert state["step"] == trainer.optimizer.state["step"].item() == state["skipped_steps"] == saved_at
+    assert trainer.skipped_steps == saved_at
 
 
 def test_loss_scaler_backs_off_grows_and_is_checkpointed(llama_dir, uninterrupted, tmp_path):
