@@ -48,7 +48,8 @@ class ModelConfig:
     )
     loss_chunk: int = _opt(
         0, "Score supervised positions this many at a time, recomputing each chunk's logits in the backward "
-           "pass: less memory for large vocabularies; 0 = all at once."
+           "pass: bounds the logits of batches with many supervised positions (1024 also ran faster on CUDA "
+           "and the CPU); 0 = all at once."
     )
 
 
