@@ -190,8 +190,6 @@ def test_training_continues_from_an_adapter_directory(llama_dir, chat_data, tmp_
 
 
 def checkpoint_weights(trainer):
-    from mlx.utils import tree_flatten
-
     return tree_flatten(trainer.model.trainable_parameters())
 
 
