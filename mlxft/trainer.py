@@ -254,7 +254,7 @@ class Trainer:
                 if self.batch_index >= len(batches):
                     self.epoch, self.batch_index = self.epoch + 1, 0
             self._drain()
-        if self.valid_set is not None and (not t.eval_every or self.step_count % t.eval_every):
+        if self.valid_set is not None and not self._evaluates_after(self.step_count):
             self._evaluate()
         self.save()
         self.save_checkpoint("final")
@@ -298,10 +298,16 @@ class Trainer:
 
     def _may_run_ahead(self, step: int) -> bool:
         """Whether the next micro-batch may be queued before optimizer step ``step`` is read."""
+        return not (self.scaler.enabled or self._evaluates_after(step) or self._saves_after(step)
+                    or step >= self.total_steps)
+
+    def _evaluates_after(self, step: int) -> bool:
         t = self.config.train
-        evaluates = self.valid_set is not None and t.eval_every and step % t.eval_every == 0
-        saves = t.save_every and step % t.save_every == 0
-        return not (self.scaler.enabled or evaluates or saves or step >= self.total_steps)
+        return self.valid_set is not None and bool(t.eval_every) and step % t.eval_every == 0
+
+    def _saves_after(self, step: int) -> bool:
+        t = self.config.train
+        return bool(t.save_every) and step % t.save_every == 0 and step < self.total_steps
 
     def _drain(self) -> None:
         """Finish every queued optimizer step (before saving or leaving the loop)."""
@@ -367,9 +373,9 @@ class Trainer:
         t, k = self.config.train, done.step
         if k % t.log_every == 0 or k == self.total_steps:
             self.reporter.train(k, done.epoch + 1, float(done.learning_rate.item()), self.skipped_steps)
-        if self.valid_set is not None and t.eval_every and k % t.eval_every == 0:
+        if self._evaluates_after(k):
             self._evaluate()
-        if t.save_every and k % t.save_every == 0 and k < self.total_steps:
+        if self._saves_after(k):
             tic = time.perf_counter()
             self.save()
             self.save_checkpoint("step")
