@@ -48,8 +48,8 @@ class ModelConfig:
     )
     loss_chunk: int = _opt(
         0, "Score supervised positions this many at a time, recomputing each chunk's logits in the backward "
-           "pass: bounds the logits of batches with many supervised positions (1024 also ran faster on CUDA "
-           "and the CPU); 0 = all at once."
+           "pass: bounds the logits of batches with many supervised positions (speed: within noise on the "
+           "CPU, on CUDA faster or slower from one version to the next, see README); 0 = all at once."
     )
 
 
@@ -154,8 +154,8 @@ class TrainConfig:
     cache_limit: float = _opt(-1.0, "MLX's allocator-cache limit in GB; -1 = MLX's default.")
     clear_cache_above: float = _opt(
         -1.0, "Return the allocator cache to the system after each step once it holds more than this many GB; "
-              "-1 = never. 0 lowers the peak (cached buffers reused for smaller requests inflate it) at a "
-              "throughput cost (LFM2-1.2B on CUDA: peak 19.4 -> 13.2 GB, tokens/s 66k -> 38k).",
+              "-1 = never. 0 is what mlx-lm does; on CUDA it cost LFM2-1.2B 66k -> 38k tokens/s for a peak "
+              "of 13.2 GB, which mlxft's cap on CUDA graphs now reaches at full speed (see README).",
     )
     memory_estimate: bool = _opt(
         True, "Before training, estimate peak memory by probing one and two layers at the batch shape."

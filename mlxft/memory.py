@@ -13,12 +13,14 @@ fraction of a step's cost, and reflect the device's own kernels and any checkpoi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxft import _gpu
 from mlxft.models import compute_dtype
 from mlxft.packing import DocumentLayout, is_attention_layer
 
@@ -31,16 +33,18 @@ def _device_info() -> dict:
     return mx.metal.device_info() if mx.metal.is_available() else {}  # MLX before device_info()
 
 
+def device_kind() -> str:
+    """The backend MLX computes on: ``Metal``, ``CUDA`` or ``CPU``."""
+    if mx.default_device() == mx.cpu:
+        return "CPU"
+    if mx.metal.is_available():
+        return "Metal"
+    return "CUDA" if hasattr(mx, "cuda") and mx.cuda.is_available() else "CPU"
+
+
 def device_description() -> str:
     info = _device_info()
-    if mx.metal.is_available():
-        kind = "Metal"
-    elif hasattr(mx, "cuda") and mx.cuda.is_available():
-        kind = "CUDA"
-    else:
-        kind = "CPU"
-    if mx.default_device() == mx.cpu:
-        kind = "CPU"
+    kind = device_kind()
     name = info.get("device_name") or info.get("architecture") or ""
     size = info.get("memory_size")
     return kind + (f" ({name}" + (f", {size / GB:.0f} GB" if size else "") + ")" if name else "")
@@ -59,6 +63,9 @@ def configure(memory_limit_gb: float, cache_limit_gb: float) -> str:
     if cache_limit_gb >= 0:
         mx.set_cache_limit(int(cache_limit_gb * GB))
     notes.append(f"memory limit {mx.get_memory_limit() / GB:.1f} GB")
+    if device_kind() == "CUDA":
+        cap = os.environ.get(_gpu.GRAPH_MB_VARIABLE)
+        notes.append(f"CUDA graphs closed after {cap + 'M input elements' if cap else 'MLX default input size'}")
     return ", ".join(notes)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import LFM2_CONFIG, LLAMA_CONFIG, write_model
-from mlxft import RunConfig, fastmath, memory
+from mlxft import RunConfig, _gpu, fastmath, memory
 from mlxft.data import Dataset, Example
 from mlxft.trainer import Trainer, TrainingStopped
 
@@ -115,3 +115,20 @@ def test_cuda_graph_cache_is_raised_unless_the_user_set_it():
     chosen = subprocess.run([sys.executable, "-c", read], env={**env, "MLX_CUDA_GRAPH_CACHE_SIZE": "7"},
                             capture_output=True, text=True, check=True)
     assert (default.stdout.strip(), chosen.stdout.strip()) == ("1000", "7")
+
+
+@pytest.mark.parametrize("info, user, expected", [
+    ({"compute_capability_major": 9, "compute_capability_minor": 0}, None, "200"),  # H100/H200: MLX caps at 1000M
+    ({"compute_capability_major": 8, "compute_capability_minor": 0}, None, "200"),  # A100: 400M
+    ({"compute_capability_major": 8, "compute_capability_minor": 9}, None, None),  # MLX's 100M is below ours
+    ({"compute_capability_major": 12, "compute_capability_minor": 1}, None, None),  # DGX Spark: 25M
+    ({"compute_capability_major": 9, "compute_capability_minor": 0}, "50", "50"),  # the user's choice stands
+    ({"architecture": "applegpu_g15s", "device_name": "Apple M4"}, None, None),  # Metal sizes its own buffers
+    ({"architecture": "x86_64", "device_name": "AMD EPYC"}, None, None),  # the CPU
+])
+def test_cuda_graphs_are_capped_only_where_mlx_allows_larger(monkeypatch, info, user, expected):
+    monkeypatch.delenv(_gpu.GRAPH_MB_VARIABLE, raising=False)
+    if user is not None:
+        monkeypatch.setenv(_gpu.GRAPH_MB_VARIABLE, user)
+    _gpu.cap_graph_inputs(info)
+    assert os.environ.get(_gpu.GRAPH_MB_VARIABLE) == expected

@@ -1,0 +1,40 @@
+"""MLX settings that only count before the first GPU evaluation, made when mlxft is imported.
+
+Both are environment variables MLX reads once, at that evaluation; a value already set (by
+the user, or a parent process) is kept. Nothing here evaluates anything on the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+GRAPH_CACHE_VARIABLE = "MLX_CUDA_GRAPH_CACHE_SIZE"
+GRAPH_MB_VARIABLE = "MLX_MAX_MB_PER_BUFFER"
+GRAPH_MB = 200
+# Compute capabilities where MLX's own cap is above GRAPH_MB (1000M on H100, B200 and consumer
+# Blackwell, 400M on A100); elsewhere it is 100M or less and is left alone.
+_LARGE_GRAPH_DEVICES = {(8, 0), (9, 0), (10, 0), (12, 0)}
+
+
+def configure() -> None:
+    # MLX's CUDA backend drops *all* its instantiated CUDA graphs once it holds 100, which
+    # variable-length batches reach within a few steps: Llama-3.2-1B chat SFT on an H200 ran
+    # at 18.8k tok/s with the default and 29.5k with 1000.
+    os.environ.setdefault(GRAPH_CACHE_VARIABLE, "1000")
+    # device_info() was checked on an H200 not to fix MLX's choice of graph size.
+    cap_graph_inputs(mx.device_info() if hasattr(mx, "device_info") else {})
+
+
+def cap_graph_inputs(device_info: dict, mb: int = GRAPH_MB) -> None:
+    """Close MLX's CUDA graphs after ``mb`` million input elements where MLX would wait longer.
+
+    A graph keeps every buffer its kernels read until the whole graph has run, so the cap
+    bounds how much finished work is still allocated at the peak: on an H200, LFM2-1.2B at
+    T=512 peaked at 13.2 GB with 200 against 19.5 with MLX's default, at the same tokens/s.
+    Only CUDA devices report a compute capability; Metal sizes its command buffers itself.
+    """
+    capability = (device_info.get("compute_capability_major"), device_info.get("compute_capability_minor"))
+    if GRAPH_MB_VARIABLE not in os.environ and capability in _LARGE_GRAPH_DEVICES:
+        os.environ[GRAPH_MB_VARIABLE] = str(mb)
