@@ -3,7 +3,8 @@
     python scripts/bench.py --model builtin:smollm2-135m-instruct --workload chat
     python scripts/bench.py --model config:lfm2-1.2b --dtype bfloat16 --workload chat --fixed-length 512
 
-Each trainer runs in its own fresh process (same interpreter, MLX build, BLAS and flags; a
+Each trainer runs in its own fresh process (same interpreter, MLX build, BLAS, flags and MLX
+environment settings, including the CUDA graph limits mlxft sets on import; a
 shared process would count the first trainer's cached compiled graphs and weights against
 the second), and gets the same model, the same tokenized rows, LoRA rank 8 on every
 linear of every layer, the same batch size, seed, optimizer (Adam) and number of optimizer
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -37,6 +39,9 @@ from mlxft import builtin, lora, models  # noqa: E402
 from mlxft.config import AdapterConfig, RunConfig  # noqa: E402
 from mlxft.data import Dataset, Example, epoch_batches, make_batch  # noqa: E402
 from mlxft.loss import loss_fn  # noqa: E402
+
+# MLX settings both trainers' processes inherit (mlxft sets them on import where unset).
+ENVIRONMENT = ("MLX_MAX_MB_PER_BUFFER", "MLX_MAX_OPS_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE")
 
 # Hub configurations of the anchor models (random weights; no download).
 CONFIGS = {
@@ -222,7 +227,7 @@ def main() -> None:
     base, ours = results
     summary = {
         "args": vars(args), "device": str(mx.default_device()), "machine": platform.machine(),
-        "mlx": mx.__version__, "results": results,
+        "mlx": mx.__version__, "environment": {k: os.environ.get(k) for k in ENVIRONMENT}, "results": results,
         "ratios (mlxft / mlx-lm)": {
             "supervised_tokens_per_sec": ours["supervised_tokens_per_sec"] / base["supervised_tokens_per_sec"],
             "tokens_per_sec": ours["tokens_per_sec"] / base["tokens_per_sec"],
