@@ -13,8 +13,8 @@ import mlx.core as mx
 GRAPH_CACHE_VARIABLE = "MLX_CUDA_GRAPH_CACHE_SIZE"
 GRAPH_MB_VARIABLE = "MLX_MAX_MB_PER_BUFFER"
 GRAPH_MB = 200
-# Compute capabilities where MLX's own cap is above GRAPH_MB (1000M on H100, B200 and consumer
-# Blackwell, 400M on A100); elsewhere it is 100M or less and is left alone.
+# Compute capabilities where MLX's own cap is above GRAPH_MB (in its recent sources 1000M on
+# H100, B200 and consumer Blackwell, 400M on A100); elsewhere it is 100M or less, left alone.
 _LARGE_GRAPH_DEVICES = {(8, 0), (9, 0), (10, 0), (12, 0)}
 
 

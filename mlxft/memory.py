@@ -64,8 +64,9 @@ def configure(memory_limit_gb: float, cache_limit_gb: float) -> str:
         mx.set_cache_limit(int(cache_limit_gb * GB))
     notes.append(f"memory limit {mx.get_memory_limit() / GB:.1f} GB")
     if device_kind() == "CUDA":
-        cap = os.environ.get(_gpu.GRAPH_MB_VARIABLE)
-        notes.append(f"CUDA graphs closed after {cap + 'M input elements' if cap else 'MLX default input size'}")
+        cap, variable = os.environ.get(_gpu.GRAPH_MB_VARIABLE), _gpu.GRAPH_MB_VARIABLE
+        notes.append(f"CUDA graphs of up to {cap}M input elements ({variable})" if cap
+                     else f"CUDA graphs of MLX's default size ({variable} unset)")
     return ", ".join(notes)
 
 
