@@ -116,6 +116,36 @@ def _need_str(row: dict, key: str, where: str) -> str:
     return row[key]
 
 
+def check_row(row: dict, where: str) -> str:
+    """The row's shape, once its fields have the types that shape needs (no tokenizer needed)."""
+    kind = row_kind(row, where)
+    if kind == "text":
+        _need_str(row, "text", where)
+    elif kind == "completion":
+        _need_str(row, "prompt", where)
+        _need_str(row, "completion", where)
+    else:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise UserError(f"{where}: field 'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise UserError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+    return kind
+
+
+def check_file(path: Path) -> None:
+    """Every row of ``path`` well-formed and of one shape: what can be checked before the model
+    (and its tokenizer) is loaded, so a bad file fails in a moment rather than after minutes."""
+    _one_shape(path, {check_row(row, f"{path} line {number}") for number, row in read_jsonl(path)})
+
+
+def _one_shape(path: Path, kinds: set[str]) -> str:
+    if len(kinds) > 1:
+        raise UserError(f"{path}: rows mix shapes ({', '.join(sorted(kinds))}); use one shape per file")
+    return next(iter(kinds))
+
+
 def _encode(tokenizer, text: str, special: bool = False) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=special))
 
@@ -187,12 +217,8 @@ def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tup
 
 
 def encode_chat(tokenizer, messages: list, completion_only: bool, where: str) -> tuple[list[int], list[bool]]:
-    """Render with the chat template; supervise every assistant turn, its end-of-turn included."""
-    if not isinstance(messages, list) or not messages:
-        raise UserError(f"{where}: field 'messages' must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise UserError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+    """Render with the chat template; supervise every assistant turn, its end-of-turn included.
+    ``messages`` are well-formed (:func:`check_row`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"{where}: chat rows need a tokenizer with a chat template; this model's tokenizer has none")
     try:
@@ -213,13 +239,13 @@ def encode_chat(tokenizer, messages: list, completion_only: bool, where: str) ->
 
 
 def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, where: str) -> tuple[str, list[int], list[bool]]:
-    kind = row_kind(row, where)
+    kind = check_row(row, where)
     if kind == "text":
-        ids = _encode(tokenizer, _need_str(row, "text", where), special=True) + [_eos(tokenizer)]
+        ids = _encode(tokenizer, row["text"], special=True) + [_eos(tokenizer)]
         return kind, ids, [True] * len(ids)
     if kind == "chat":
         return (kind, *encode_chat(tokenizer, row["messages"], completion_only, where))
-    prompt, completion = _need_str(row, "prompt", where), _need_str(row, "completion", where)
+    prompt, completion = row["prompt"], row["completion"]
     use_chat = prompt_format == "chat" or (prompt_format == "auto" and getattr(tokenizer, "chat_template", None))
     if use_chat:
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
@@ -247,8 +273,7 @@ def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bo
             skipped += 1
             continue
         examples.append(example)
-    if len(kinds) > 1:
-        raise UserError(f"{path}: rows mix shapes ({', '.join(sorted(kinds))}); use one shape per file")
+    kind = _one_shape(path, kinds)
     if not examples:
         raise UserError(f"{path}: no row has a supervised token (all {skipped} rows skipped); check completions / assistant turns")
     if truncated:
@@ -256,7 +281,7 @@ def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bo
               f"max_seq_length={max_seq_length} and were truncated", file=sys.stderr)
     if skipped:
         print(f"warning: {path}: skipped {skipped} rows with no supervised token", file=sys.stderr)
-    return Dataset(path, examples, kinds.pop(), truncated, skipped)
+    return Dataset(path, examples, kind, truncated, skipped)
 
 
 def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int, shuffle: bool = True) -> list[np.ndarray]:

@@ -99,6 +99,9 @@ class Trainer:
         if datasets is None:
             self.train_file, self.valid_file = data.resolve_files(
                 builtin.resolve(config.data.data), config.data.train_file, config.data.valid_file)
+            for path in (self.train_file, self.valid_file):
+                if path is not None:
+                    data.check_file(path)
         else:
             self.train_file = datasets[0].path
             self.valid_file = datasets[1].path if datasets[1] is not None else None

@@ -6,8 +6,10 @@ import re
 import numpy as np
 import pytest
 
-from mlxft.data import encode_chat, epoch_batches, load_dataset, make_batch, resolve_files
+from mlxft import RunConfig
+from mlxft.data import check_file, encode_chat, epoch_batches, load_dataset, make_batch, resolve_files
 from mlxft.errors import UserError
+from mlxft.trainer import Trainer
 
 from conftest import write_jsonl
 
@@ -102,9 +104,22 @@ def test_truncation_and_skipping_are_counted(tmp_path, tokenizer, capsys):
 def test_bad_rows_name_file_and_line(tmp_path, tokenizer, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
-    with pytest.raises(UserError, match=re.escape(message)) as err:
-        load_dataset(path, tokenizer, 64)
-    assert str(path) in str(err.value) and "\n" not in str(err.value)
+    for read in (lambda: load_dataset(path, tokenizer, 64), lambda: check_file(path)):  # with and without tokenizer
+        with pytest.raises(UserError, match=re.escape(message)) as err:
+            read()
+        assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("bad", ["train", "valid"])
+def test_bad_data_is_reported_before_the_model_is_loaded(tmp_path, bad):
+    write_jsonl(tmp_path / "data" / "train.jsonl", [{"text": "a"}])
+    write_jsonl(tmp_path / "data" / "valid.jsonl", [{"text": "a"}])
+    (tmp_path / "data" / f"{bad}.jsonl").write_text('{"prompt": "p"}\n')
+    config = RunConfig.from_dict({"model": {"model": str(tmp_path / "no-such-model")},
+                                  "data": {"data": str(tmp_path / "data")},
+                                  "train": {"output_dir": str(tmp_path / "run")}})
+    with pytest.raises(UserError, match=re.escape(f"{bad}.jsonl line 1: missing field 'completion'")):
+        Trainer(config)
 
 
 def test_nothing_supervised_is_an_error(tmp_path, tokenizer):
