@@ -132,3 +132,13 @@ def test_cuda_graphs_are_capped_only_where_mlx_allows_larger(monkeypatch, info, 
         monkeypatch.setenv(_gpu.GRAPH_MB_VARIABLE, user)
     _gpu.cap_graph_inputs(info)
     assert os.environ.get(_gpu.GRAPH_MB_VARIABLE) == expected
+
+
+def test_a_device_mlx_cannot_describe_does_not_stop_the_import(monkeypatch):
+    def no_device():
+        raise RuntimeError("CUDA driver version is insufficient")
+
+    monkeypatch.delenv(_gpu.GRAPH_MB_VARIABLE, raising=False)
+    monkeypatch.setattr(mx, "device_info", no_device, raising=False)
+    _gpu.configure()
+    assert _gpu.GRAPH_MB_VARIABLE not in os.environ
