@@ -109,7 +109,8 @@ def run_mlx_lm(args, rows, val_rows):
     from mlx_lm.tuner.trainer import TrainingArgs, train
 
     model, _ = load_model(args.model, args.dtype)
-    lora.apply(model, AdapterConfig(targets=["all"], rank=args.rank, alpha=2.0 * args.rank), seed=0)
+    lora.apply(model, AdapterConfig(targets=["all"], rank=args.rank, alpha=2.0 * args.rank), seed=args.seed)
+    np.random.seed(args.seed)  # mlx-lm shuffles its batches with numpy's global generator
     # mlx-lm's batches: (tokens, offset) with the offset marking where supervision starts.
     dataset = [(r.ids.tolist(), int(np.argmax(r.mask[1:])) + 1 if not r.mask[1:].all() else 0) for r in rows]
     reports = []
@@ -152,7 +153,7 @@ def run_mlxft(args, rows, val_rows):
             "adapter": {"targets": ["all"], "rank": args.rank, "alpha": 2.0 * args.rank},
             "optim": {"optimizer": "adam", "learning_rate": args.lr, "schedule": "constant", "max_grad_norm": 0.0},
             "train": {"output_dir": tmp, "batch_size": args.batch_size, "max_steps": args.steps,
-                      "log_every": args.log_every or args.warmup, "backend": args.backend,
+                      "log_every": args.log_every or args.warmup, "backend": args.backend, "seed": args.seed,
                       "clear_cache_above": args.clear_cache_above, "memory_limit": args.memory_limit,
                       "cache_limit": args.cache_limit},
         })
@@ -191,6 +192,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4, help="steps excluded from the throughput figures (both trainers report every this many steps)")
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="both trainers' adapter init and batch order (the rows stay the same)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--grad-checkpoint", action="store_true", help="mlxft recomputes layer activations")
     p.add_argument("--pack", action="store_true", help="mlxft packs each micro-batch's rows (same rows, same loss)")
