@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from mlxft import _blas, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, packing
+from mlxft import _blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, packing
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError
 from mlxft.loss import cross_entropy, hidden_loss, loss_fn
@@ -86,6 +86,8 @@ class Trainer:
         validate(config)
         self.config = config
         t = config.train
+        if config.model.grad_checkpoint:
+            _gpu.cap_for_checkpointing()
         self.world = world or distributed.init(t.backend, t.dist_timeout)
         self.memory_settings = memory.configure(t.memory_limit, t.cache_limit)
         self.estimate: memory.Estimate | None = None

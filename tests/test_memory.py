@@ -142,3 +142,17 @@ def test_a_device_mlx_cannot_describe_does_not_stop_the_import(monkeypatch):
     monkeypatch.setattr(mx, "device_info", no_device, raising=False)
     _gpu.configure()
     assert _gpu.GRAPH_MB_VARIABLE not in os.environ
+
+
+@pytest.mark.parametrize("user", [None, "300"])
+def test_checkpointed_runs_lower_only_mlxfts_own_cap(monkeypatch, llama_dir, tmp_path, user):
+    monkeypatch.delenv(_gpu.GRAPH_MB_VARIABLE, raising=False)
+    monkeypatch.setattr(_gpu, "_capped_here", False)
+    if user is not None:
+        monkeypatch.setenv(_gpu.GRAPH_MB_VARIABLE, user)
+    _gpu.cap_graph_inputs({"compute_capability_major": 9, "compute_capability_minor": 0})
+    trainer(llama_dir, tmp_path / "plain", batch_size=2, longest=64, memory_estimate=False)
+    assert os.environ[_gpu.GRAPH_MB_VARIABLE] == (user or str(_gpu.GRAPH_MB))
+    trainer(llama_dir, tmp_path / "checkpointed", batch_size=2, longest=64, grad_checkpoint=True,
+            memory_estimate=False)
+    assert os.environ[_gpu.GRAPH_MB_VARIABLE] == (user or str(_gpu.CHECKPOINTED_GRAPH_MB))
