@@ -19,7 +19,9 @@ CHECKPOINTED_GRAPH_MB = 100
 # Compute capabilities where MLX's own cap is above GRAPH_MB (in its recent sources 1000M on
 # H100, B200 and consumer Blackwell, 400M on A100); elsewhere it is 100M or less, left alone.
 _LARGE_GRAPH_DEVICES = {(8, 0), (9, 0), (10, 0), (12, 0)}
-_capped_here = False  # whether mlxft, not the user, chose the cap in force
+# The cap mlxft chose, kept beside it so that a child process (a benchmark's trainers, ranks
+# under mlx.launch) still tells mlxft's choice from the user's.
+CHOSEN_VARIABLE = "MLXFT_GRAPH_MB_CHOSEN"
 
 
 def configure() -> None:
@@ -43,15 +45,14 @@ def cap_graph_inputs(device_info: dict, mb: int = GRAPH_MB) -> None:
     T=512 peaked at 13.2 GB with 200 against 19.5 with MLX's default, at the same tokens/s.
     Only CUDA devices report a compute capability; Metal sizes its command buffers itself.
     """
-    global _capped_here
     capability = (device_info.get("compute_capability_major"), device_info.get("compute_capability_minor"))
     if GRAPH_MB_VARIABLE not in os.environ and capability in _LARGE_GRAPH_DEVICES:
-        os.environ[GRAPH_MB_VARIABLE] = str(mb)
-        _capped_here = True
+        os.environ[GRAPH_MB_VARIABLE] = os.environ[CHOSEN_VARIABLE] = str(mb)
 
 
 def cap_for_checkpointing() -> None:
     """Lower mlxft's own cap for a run that recomputes its layers. Effective only before the
     first GPU evaluation: the trainer calls it before it loads the model."""
-    if _capped_here:
-        os.environ[GRAPH_MB_VARIABLE] = str(CHECKPOINTED_GRAPH_MB)
+    chosen = os.environ.get(CHOSEN_VARIABLE)
+    if chosen is not None and os.environ.get(GRAPH_MB_VARIABLE) == chosen:
+        os.environ[GRAPH_MB_VARIABLE] = os.environ[CHOSEN_VARIABLE] = str(CHECKPOINTED_GRAPH_MB)

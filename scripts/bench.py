@@ -135,7 +135,7 @@ def run_mlx_lm(args, rows, val_rows):
     result = {"trainer": "mlx-lm", "supervised_tokens_per_sec": supervised_per_sec,
               "tokens_per_sec": supervised_per_sec * real_per_supervised, "peak_memory_gb": peak,
               "train_loss": last["train_loss"], "val_loss": common_val_loss(model, val_rows, args.batch_size),
-              "wall_s": wall}
+              "wall_s": wall, "graph_mb": os.environ.get("MLX_MAX_MB_PER_BUFFER")}
     del model
     return result
 
@@ -175,7 +175,8 @@ def run_mlxft(args, rows, val_rows):
     result = {"trainer": "mlxft", "supervised_tokens_per_sec": sum(r["supervised_tokens_per_sec"] * r["seconds"] for r in timed) / seconds,
               "tokens_per_sec": sum(r["tokens_per_sec"] * r["seconds"] for r in timed) / seconds, "peak_memory_gb": peak, "train_loss": last["loss"],
               "val_loss": common_val_loss(trainer.model, val_rows, args.batch_size), "wall_s": wall,
-              "estimated_peak_memory_gb": trainer.estimate.total / 1e9}
+              "estimated_peak_memory_gb": trainer.estimate.total / 1e9,
+              "graph_mb": os.environ.get("MLX_MAX_MB_PER_BUFFER")}  # the trainer may lower mlxft's own cap
     del trainer, model
     return result
 

@@ -128,6 +128,7 @@ def test_cuda_graph_cache_is_raised_unless_the_user_set_it():
 ])
 def test_cuda_graphs_are_capped_only_where_mlx_allows_larger(monkeypatch, info, user, expected):
     monkeypatch.delenv(_gpu.GRAPH_MB_VARIABLE, raising=False)
+    monkeypatch.delenv(_gpu.CHOSEN_VARIABLE, raising=False)
     if user is not None:
         monkeypatch.setenv(_gpu.GRAPH_MB_VARIABLE, user)
     _gpu.cap_graph_inputs(info)
@@ -139,6 +140,7 @@ def test_a_device_mlx_cannot_describe_does_not_stop_the_import(monkeypatch):
         raise RuntimeError("CUDA driver version is insufficient")
 
     monkeypatch.delenv(_gpu.GRAPH_MB_VARIABLE, raising=False)
+    monkeypatch.delenv(_gpu.CHOSEN_VARIABLE, raising=False)
     monkeypatch.setattr(mx, "device_info", no_device, raising=False)
     _gpu.configure()
     assert _gpu.GRAPH_MB_VARIABLE not in os.environ
@@ -147,7 +149,7 @@ def test_a_device_mlx_cannot_describe_does_not_stop_the_import(monkeypatch):
 @pytest.mark.parametrize("user", [None, "300"])
 def test_checkpointed_runs_lower_only_mlxfts_own_cap(monkeypatch, llama_dir, tmp_path, user):
     monkeypatch.delenv(_gpu.GRAPH_MB_VARIABLE, raising=False)
-    monkeypatch.setattr(_gpu, "_capped_here", False)
+    monkeypatch.delenv(_gpu.CHOSEN_VARIABLE, raising=False)
     if user is not None:
         monkeypatch.setenv(_gpu.GRAPH_MB_VARIABLE, user)
     _gpu.cap_graph_inputs({"compute_capability_major": 9, "compute_capability_minor": 0})
