@@ -86,7 +86,7 @@ class Trainer:
         validate(config)
         self.config = config
         t = config.train
-        if config.model.grad_checkpoint:
+        if config.model.grad_checkpoint and model is None:  # a model given has been evaluated already
             _gpu.cap_for_checkpointing()
         self.world = world or distributed.init(t.backend, t.dist_timeout)
         self.memory_settings = memory.configure(t.memory_limit, t.cache_limit)

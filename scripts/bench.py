@@ -141,8 +141,11 @@ def run_mlx_lm(args, rows, val_rows):
 
 
 def run_mlxft(args, rows, val_rows):
+    from mlxft import _gpu
     from mlxft.trainer import Trainer
 
+    if args.grad_checkpoint:  # as the trainer does, but before this model's first evaluation
+        _gpu.cap_for_checkpointing()
     model, _ = load_model(args.model, args.dtype)
     if args.lora_float32:  # measure the lever: mlx-lm's float32 LoRA arithmetic
         lora.compute_lora_in_input_dtype = lambda model: None
