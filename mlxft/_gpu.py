@@ -31,10 +31,17 @@ def configure() -> None:
     os.environ.setdefault(GRAPH_CACHE_VARIABLE, "1000")
     # device_info() was checked on an H200 not to fix MLX's choice of graph size.
     try:
-        info = mx.device_info() if hasattr(mx, "device_info") else {}
+        info = device_info()
     except Exception:  # a CUDA build with no usable device must still import; MLX says why later
         info = {}
     cap_graph_inputs(info)
+
+
+def device_info() -> dict:
+    """MLX's description of its device (name, memory, a CUDA compute capability); {} where it has none."""
+    if hasattr(mx, "device_info"):
+        return mx.device_info()
+    return mx.metal.device_info() if mx.metal.is_available() else {}  # MLX before device_info()
 
 
 def cap_graph_inputs(device_info: dict, mb: int = GRAPH_MB) -> None:

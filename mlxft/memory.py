@@ -27,12 +27,6 @@ from mlxft.packing import DocumentLayout, is_attention_layer
 GB = 1e9
 
 
-def _device_info() -> dict:
-    if hasattr(mx, "device_info"):
-        return mx.device_info()
-    return mx.metal.device_info() if mx.metal.is_available() else {}  # MLX before device_info()
-
-
 def device_kind() -> str:
     """The backend MLX computes on: ``Metal``, ``CUDA`` or ``CPU``."""
     if mx.default_device() == mx.cpu:
@@ -43,7 +37,7 @@ def device_kind() -> str:
 
 
 def device_description() -> str:
-    info = _device_info()
+    info = _gpu.device_info()
     kind = device_kind()
     name = info.get("device_name") or info.get("architecture") or ""
     size = info.get("memory_size")
@@ -54,7 +48,7 @@ def configure(memory_limit_gb: float, cache_limit_gb: float) -> str:
     """Apply the limits; on Metal wire the recommended working set as mlx-lm does. Returns a summary."""
     notes = []
     if mx.metal.is_available():
-        working_set = _device_info().get("max_recommended_working_set_size")
+        working_set = _gpu.device_info().get("max_recommended_working_set_size")
         if working_set:
             mx.set_wired_limit(int(working_set))
             notes.append(f"wired limit {working_set / GB:.1f} GB")
