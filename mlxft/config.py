@@ -158,7 +158,8 @@ class TrainConfig:
               "of 13.2 GB, which mlxft's cap on CUDA graphs now reaches at full speed (see README).",
     )
     memory_estimate: bool = _opt(
-        True, "Before training, estimate peak memory by probing one and two layers at the batch shape."
+        True, "Before training, estimate peak memory by probing one and two layers at the batch shape "
+              "(one, for checkpointed layers)."
     )
     force: bool = _opt(False, "Resume even when harmless settings differ from the checkpoint's (model name, "
                               "sequence length, alpha, dropout, seed, batch size, accumulation).")

@@ -133,6 +133,14 @@ def override_call(module: nn.Module, call: Callable, marker: str) -> None:
         module.__class__ = type(cls.__name__, (cls,), {"__call__": call, marker: True})
 
 
+_CHECKPOINTED = "_mlxft_checkpointed"
+
+
+def is_checkpointed(layer: nn.Module) -> bool:
+    """Whether :func:`checkpoint_layers` made ``layer`` recompute its activations."""
+    return getattr(type(layer), _CHECKPOINTED, False)
+
+
 def checkpoint_layers(model: nn.Module) -> None:
     """Recompute each transformer layer's activations in the backward pass (less memory):
     each layer's ``__call__`` runs under ``mx.checkpoint`` (see :func:`override_call`)."""
@@ -146,4 +154,4 @@ def checkpoint_layers(model: nn.Module) -> None:
 
             return mx.checkpoint(inner)(self.trainable_parameters(), *args)
 
-        override_call(layer, checkpointed, "_mlxft_checkpointed")
+        override_call(layer, checkpointed, _CHECKPOINTED)
