@@ -179,6 +179,7 @@ def run_mlxft(args, rows, val_rows):
               "tokens_per_sec": sum(r["tokens_per_sec"] * r["seconds"] for r in timed) / seconds, "peak_memory_gb": peak, "train_loss": last["loss"],
               "val_loss": common_val_loss(trainer.model, val_rows, args.batch_size), "wall_s": wall,
               "estimated_peak_memory_gb": trainer.estimate.total / 1e9,
+              "estimate_gb": {k: v / 1e9 for k, v in vars(trainer.estimate).items()},
               "graph_mb": os.environ.get("MLX_MAX_MB_PER_BUFFER")}  # the trainer may lower mlxft's own cap
     del trainer, model
     return result

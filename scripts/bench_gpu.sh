@@ -2,8 +2,9 @@
 # The H200 benchmark set behind the README's GPU figures: mlx-lm's trainer against mlxft on
 # the anchor workload (bf16, LoRA r8 on all linears, B=8, T=512 fixed rows) and on chat SFT
 # with variable lengths (rows of 128-512 tokens), each with and without mlxft's
-# --grad-checkpoint. Both trainers' processes get the CUDA graph cap mlxft sets on import.
-# Results: JSON files in $1.
+# --grad-checkpoint, then chat at several seeds (adapter init and batch order). Both trainers'
+# processes get the CUDA graph cap mlxft sets on import (mlxft's checkpointed runs lower their
+# own to 100M). Results: JSON files in $1.
 set -euo pipefail
 out=${1:-benchmarks}
 mkdir -p "$out"
@@ -14,7 +15,13 @@ for model in ${MODELS:-lfm2-1.2b llama-3.2-1b}; do
   python3 scripts/bench.py --model config:$model "${common[@]}" "${chat[@]}" --out "$out/bench-$model-chat-cap200.json"
   python3 scripts/bench.py --model config:$model "${common[@]}" "${fixed[@]}" --out "$out/bench-$model-fixed512-cap200.json"
   python3 scripts/bench.py --model config:$model "${common[@]}" "${chat[@]}" --grad-checkpoint \
-    --out "$out/bench-$model-chat-ckpt-cap200.json"
+    --out "$out/bench-$model-chat-ckpt.json"
   python3 scripts/bench.py --model config:$model "${common[@]}" "${fixed[@]}" --grad-checkpoint \
-    --out "$out/bench-$model-fixed512-ckpt-cap200.json"
+    --out "$out/bench-$model-fixed512-ckpt.json"
+done
+for model in ${MODELS:-lfm2-1.2b llama-3.2-1b}; do
+  for seed in ${SEEDS:-0 1 2}; do
+    python3 scripts/bench.py --model config:$model "${common[@]}" "${chat[@]}" --seed $seed \
+      --out "$out/bench-$model-chat-seed$seed.json"
+  done
 done
