@@ -2,6 +2,7 @@
 
     python scripts/bench.py --model builtin:smollm2-135m-instruct --workload chat
     python scripts/bench.py --model config:lfm2-1.2b --dtype bfloat16 --workload chat --fixed-length 512
+    python scripts/bench.py --data builtin:capitals --batch-size 4 --steps 60 --warmup 10 --lr 2e-4
 
 Each trainer runs in its own fresh process (same interpreter, MLX build, BLAS, flags and MLX
 environment settings, including the CUDA graph limits mlxft sets on import; a
@@ -11,9 +12,11 @@ linear of every layer, the same batch size, seed, optimizer (Adam) and number of
 steps. mlx-lm runs `mlx_lm.tuner.trainer.train` with its compiled step and `default_loss`;
 mlxft runs its `Trainer`. Reported per trainer: supervised tokens/s and real (non-padding)
 tokens/s over the wall-clock time of the steps after warm-up (batching included for both), peak memory (`mx.get_peak_memory`), the last training
-loss, and the validation loss of the trained adapters under one common loss (mlxft's).
-Workloads: ``chat`` (completion-only SFT, variable lengths, ~45% prompt) and ``text``
-(pretraining: every token supervised). Writes JSON to benchmarks/.
+loss, and the losses of the trained adapters on the training rows and on the validation rows
+under one common loss (mlxft's). Workloads: ``chat`` (completion-only SFT, variable lengths,
+~45% prompt) and ``text`` (pretraining: every token supervised) on random tokens, or a real
+data directory (``--data``), where validation loss measures what was learnt. Writes JSON to
+benchmarks/.
 """
 
 from __future__ import annotations
@@ -94,6 +97,32 @@ def synthetic_rows(n: int, vocab: int, workload: str, max_len: int, fixed: int, 
     return rows
 
 
+def dataset_rows(data: str, model: str) -> tuple[list[Example], list[Example]]:
+    """A data directory's train and valid rows, tokenized with the model's tokenizer as mlxft's
+    trainer would, each cut after its last supervised token (nothing after it enters a loss).
+    mlx-lm's batches mark supervision by where it starts, so a row with an unsupervised gap
+    inside (a multi-turn chat) has no equal there and is refused."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxft.data import load_dataset, resolve_files
+
+    tokenizer = load_tokenizer(Path(builtin.resolve(model)))
+    split = []
+    for path in resolve_files(builtin.resolve(data), "", ""):
+        if path is None:
+            sys.exit(f"{data}: the benchmark needs a valid.jsonl beside train.jsonl")
+        rows = []
+        for number, row in enumerate(load_dataset(path, tokenizer, 10**6).examples, 1):
+            end = int(np.flatnonzero(row.mask)[-1]) + 1
+            start = int(np.argmax(row.mask))
+            if not row.mask[start:end].all():
+                sys.exit(f"{path}: row {number} has unsupervised tokens between supervised ones, which mlx-lm's "
+                         f"trainer cannot express; use prompt/completion rows or single-turn chats")
+            rows.append(Example(row.ids[:end], row.mask[:end]))
+        split.append(rows)
+    return split[0], split[1]
+
+
 def common_val_loss(model, rows: list[Example], batch_size: int) -> float:
     model.eval()
     total, count = 0.0, 0
@@ -104,9 +133,30 @@ def common_val_loss(model, rows: list[Example], batch_size: int) -> float:
     return total / count
 
 
+def mlx_lm_counts_padding() -> bool:
+    """Whether mlx-lm's ``default_loss`` reaches one position past each row's last token, the
+    first padding column, training every row to predict the padding id 0 after its end and
+    counting one target more (as 0.32 does)."""
+    from mlx_lm.tuner.trainer import default_loss
+
+    def uniform(inputs):
+        return mx.zeros((*inputs.shape, 2))
+
+    # One row of two real tokens (one target), padded to four.
+    _, targets = default_loss(uniform, mx.zeros((1, 4), mx.int32), mx.array([[1, 2]]))
+    return targets.item() == 2
+
+
+def mlx_lm_loss_to_the_last_token(model, batch, lengths):
+    """mlx-lm's ``default_loss`` with its mask ending at each row's last token."""
+    from mlx_lm.tuner.trainer import default_loss
+
+    return default_loss(model, batch, lengths - mx.array([0, int(mlx_lm_counts_padding())]))
+
+
 def run_mlx_lm(args, rows, val_rows):
     from mlx_lm.tuner.callbacks import TrainingCallback
-    from mlx_lm.tuner.trainer import TrainingArgs, train
+    from mlx_lm.tuner.trainer import TrainingArgs, default_loss, train
 
     model, _ = load_model(args.model, args.dtype)
     lora.apply(model, AdapterConfig(targets=["all"], rank=args.rank, alpha=2.0 * args.rank), seed=args.seed)
@@ -125,16 +175,21 @@ def run_mlx_lm(args, rows, val_rows):
                              steps_per_eval=10**9, steps_per_save=10**9, max_seq_length=args.max_len + 1,
                              adapter_file=str(Path(tmp) / "adapters.safetensors"))
         tic = time.perf_counter()
-        train(model, optim.Adam(learning_rate=args.lr), dataset, None, args=targs, training_callback=Capture())
+        loss = mlx_lm_loss_to_the_last_token if args.mlx_lm_loss == "fixed" else default_loss
+        train(model, optim.Adam(learning_rate=args.lr), dataset, None, args=targs, loss=loss, training_callback=Capture())
         wall = time.perf_counter() - tic
     peak = mx.get_peak_memory() / 1e9
     start = next(r for r in reports if r["iteration"] == args.warmup)
     last = reports[-1]
     supervised_per_sec = (last["trained_tokens"] - start["trained_tokens"]) / (last["wall"] - start["wall"])
+    if args.mlx_lm_loss == "as-shipped" and mlx_lm_counts_padding():  # a padding target in every row
+        supervised = sum(r.supervised for r in rows)
+        supervised_per_sec *= supervised / (supervised + len(rows))
     real_per_supervised = sum(len(r.ids) - 1 for r in rows) / sum(r.supervised for r in rows)
     result = {"trainer": "mlx-lm", "supervised_tokens_per_sec": supervised_per_sec,
               "tokens_per_sec": supervised_per_sec * real_per_supervised, "peak_memory_gb": peak,
-              "train_loss": last["train_loss"], "val_loss": common_val_loss(model, val_rows, args.batch_size),
+              "train_loss": last["train_loss"], "train_set_loss": common_val_loss(model, rows, args.batch_size),
+              "val_loss": common_val_loss(model, val_rows, args.batch_size),
               "wall_s": wall, "graph_mb": os.environ.get("MLX_MAX_MB_PER_BUFFER")}
     del model
     return result
@@ -177,6 +232,7 @@ def run_mlxft(args, rows, val_rows):
     last = timed[-1]
     result = {"trainer": "mlxft", "supervised_tokens_per_sec": sum(r["supervised_tokens_per_sec"] * r["seconds"] for r in timed) / seconds,
               "tokens_per_sec": sum(r["tokens_per_sec"] * r["seconds"] for r in timed) / seconds, "peak_memory_gb": peak, "train_loss": last["loss"],
+              "train_set_loss": common_val_loss(trainer.model, rows, args.batch_size),
               "val_loss": common_val_loss(trainer.model, val_rows, args.batch_size), "wall_s": wall,
               "estimated_peak_memory_gb": trainer.estimate.total / 1e9,
               "estimate_gb": {k: v / 1e9 for k, v in vars(trainer.estimate).items()},
@@ -193,6 +249,11 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-len", type=int, default=256, help="longest row (variable lengths down to a quarter)")
     p.add_argument("--fixed-length", type=int, default=0, help="every row this long (the GPU anchors use 512)")
+    p.add_argument("--data", default="", help="a data directory (train.jsonl, valid.jsonl) or builtin:capitals instead of "
+                   "random rows; needs a model with a tokenizer (--workload, --rows and the lengths then do not apply)")
+    p.add_argument("--mlx-lm-loss", choices=("as-shipped", "fixed"), default="as-shipped",
+                   help="mlx-lm's default_loss as shipped (it also trains each row to predict padding after its "
+                        "last token), or with that mask ending at the last token, the objective mlxft trains")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4, help="steps excluded from the throughput figures (both trainers report every this many steps)")
@@ -215,9 +276,15 @@ def main() -> None:
         p.error("need 0 < --warmup < --steps, and --log-every dividing --warmup")
     if args.fixed_length:
         args.max_len = args.fixed_length
-    vocab = CONFIGS[args.model.split(":", 1)[1]]["vocab_size"] if args.model.startswith("config:") else 49152
-    rows = synthetic_rows(args.rows, vocab, args.workload, args.max_len, args.fixed_length, seed=0)
-    val_rows = synthetic_rows(16, vocab, args.workload, args.max_len, args.fixed_length, seed=1)
+    if args.data:
+        if args.model.startswith("config:") or args.fixed_length:
+            p.error("--data needs a model with a tokenizer, and takes the rows' own lengths")
+        rows, val_rows = dataset_rows(args.data, args.model)
+        args.max_len = max(len(r.ids) for r in rows)
+    else:
+        vocab = CONFIGS[args.model.split(":", 1)[1]]["vocab_size"] if args.model.startswith("config:") else 49152
+        rows = synthetic_rows(args.rows, vocab, args.workload, args.max_len, args.fixed_length, seed=0)
+        val_rows = synthetic_rows(16, vocab, args.workload, args.max_len, args.fixed_length, seed=1)
     if args.only != "both":
         result = (run_mlxft if args.only == "mlxft" else run_mlx_lm)(args, rows, val_rows)
         if result is not None:  # None: a data-parallel rank other than 0
@@ -241,7 +308,8 @@ def main() -> None:
             "peak_memory": ours["peak_memory_gb"] / base["peak_memory_gb"],
         },
     }
-    out = Path(args.out or f"benchmarks/bench-{args.model.split(':')[-1].replace('/', '_')}-{args.workload}.json")
+    work = Path(args.data.split(":")[-1]).name if args.data else args.workload
+    out = Path(args.out or f"benchmarks/bench-{args.model.split(':')[-1].replace('/', '_')}-{work}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{'trainer':8} {'sup tok/s':>10} {'tok/s':>10} {'peak GB':>8} {'train loss':>10} {'val loss':>9}")

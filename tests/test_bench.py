@@ -1,0 +1,49 @@
+"""The side-by-side benchmark trains both trainers on one objective when asked to."""
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxft import models
+from mlxft.data import Example, make_batch
+from mlxft.loss import loss_fn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench  # noqa: E402
+
+
+def padded_as_mlx_lm_does(rows: list[Example]):
+    """mlx-lm's batch: rows right-padded with 0 to one more than a multiple of 32, and
+    (first supervised token, length) per row."""
+    longest = max(len(r.ids) for r in rows)
+    tokens = np.zeros((len(rows), 1 + 32 * -(-longest // 32)), np.int32)
+    lengths = np.zeros((len(rows), 2), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r.ids)] = r.ids
+        lengths[i] = int(np.argmax(r.mask)), len(r.ids)
+    return mx.array(tokens), mx.array(lengths)
+
+
+def test_mlx_lm_loss_to_the_last_token_is_mlxfts_loss(llama_dir):
+    from mlx_lm.tuner.trainer import default_loss
+
+    model = models.load(str(llama_dir), "float32")[0]
+    rng = np.random.default_rng(0)
+    rows = []
+    for length in (9, 14, 20, 31):
+        mask = np.zeros(length, bool)
+        mask[length // 2:] = True
+        rows.append(Example(rng.integers(3, 500, size=length).astype(np.int32), mask))
+    tokens, lengths = padded_as_mlx_lm_does(rows)
+    supervised = sum(r.supervised for r in rows)
+
+    ours, our_count = loss_fn(model, *make_batch(rows, 4, 32).arrays())
+    theirs, their_count = bench.mlx_lm_loss_to_the_last_token(model, tokens, lengths)
+    assert their_count.item() == our_count.item() == supervised
+    assert theirs.item() == pytest.approx(ours.item(), rel=1e-5)
+    # As shipped, mlx-lm's loss counts one padding target per row exactly when the probe says so.
+    shipped_count = default_loss(model, tokens, lengths)[1].item()
+    assert shipped_count == supervised + len(rows) * bench.mlx_lm_counts_padding()
