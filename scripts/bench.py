@@ -176,19 +176,19 @@ def run_mlx_lm(args, rows, val_rows):
         targs = TrainingArgs(batch_size=args.batch_size, iters=args.steps, steps_per_report=args.warmup,
                              steps_per_eval=10**9, steps_per_save=10**9, max_seq_length=args.max_len + 1,
                              adapter_file=str(Path(tmp) / "adapters.safetensors"))
-        tic = time.perf_counter()
         counts_padding = mlx_lm_counts_padding()
         loss = mlx_lm_loss_to_the_last_token if args.mlx_lm_loss == "fixed" else default_loss
+        tic = time.perf_counter()
         train(model, optim.Adam(learning_rate=args.lr), dataset, None, args=targs, loss=loss, training_callback=Capture())
         wall = time.perf_counter() - tic
     peak = mx.get_peak_memory() / 1e9
     start = next(r for r in reports if r["iteration"] == args.warmup)
     last = reports[-1]
     supervised_per_sec = (last["trained_tokens"] - start["trained_tokens"]) / (last["wall"] - start["wall"])
+    supervised = sum(r.supervised for r in rows)
     if args.mlx_lm_loss == "as-shipped" and counts_padding:  # a padding target in every row
-        supervised = sum(r.supervised for r in rows)
         supervised_per_sec *= supervised / (supervised + len(rows))
-    real_per_supervised = sum(len(r.ids) - 1 for r in rows) / sum(r.supervised for r in rows)
+    real_per_supervised = sum(len(r.ids) - 1 for r in rows) / supervised
     result = {"trainer": "mlx-lm", "supervised_tokens_per_sec": supervised_per_sec,
               "tokens_per_sec": supervised_per_sec * real_per_supervised, "peak_memory_gb": peak,
               "train_loss": last["train_loss"], "train_set_loss": common_val_loss(model, rows, args.batch_size),
