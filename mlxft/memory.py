@@ -166,7 +166,9 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
         activations += per_layer * len(members)
         transient = max(transient, one - per_layer)
     hidden = mx.random.normal((max(supervised, 1), dim)).astype(dtype)
-    loss_bytes = _probe(lambda h: mx.grad(loss_of_hidden)(h), hidden)
+    # Compiled as in the step: the loss's backward is an elementwise expression that only a
+    # compiled graph fuses (eagerly it allocates float32 [N, vocab] temporaries the step does not).
+    loss_bytes = _probe(mx.compile(mx.grad(loss_of_hidden)), hidden)
     # Every layer's input gradient flows through the embedding output of [batch, length, dim].
     embedding = batch * length * dim * dtype.size
     return Estimate(weights, state, activations + transient + embedding, loss_bytes)
