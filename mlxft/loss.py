@@ -7,7 +7,7 @@ computed as the model defines them and the same positions are read out of them. 
 ``chunk`` the supervised positions are scored a chunk at a time, each chunk's logits
 recomputed in the backward pass. MLX queues several operations ahead of those it has
 finished, so a few chunks' logits are alive together, and with fewer than about ten chunks
-nearly all of them are: on the CPU chunking then costs memory, on CUDA it saved 0.6 GB for a
+nearly all of them are: on the CPU chunking then costs memory, on CUDA it saved 1 GB for a
 128k vocabulary (README). The cross-entropy's own backward (:func:`token_cross_entropy`)
 returns the logits' gradient in the logits' dtype from one fused expression, so no float32
 ``[N, vocab]`` tensor outlives the forward pass.
