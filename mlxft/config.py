@@ -46,6 +46,10 @@ class ModelConfig:
     grad_checkpoint: bool = _opt(
         False, "Recompute each layer's activations during the backward pass: less memory, ~1/3 more compute."
     )
+    checkpoint_layers: int = _opt(
+        0, "With --grad-checkpoint, recompute only the first N layers and keep the rest's activations: "
+           "between the two in memory and speed; 0 = every layer."
+    )
     loss_chunk: int = _opt(
         0, "Score supervised positions this many at a time, recomputing each chunk's logits in the backward "
            "pass. With --grad-checkpoint on a GPU it lowers the peak (Llama-3.2-1B chat on CUDA: 0.47x "
@@ -314,6 +318,9 @@ def validate(config: RunConfig) -> None:
     need(a.num_layers == -1 or a.num_layers >= 1, "adapter.num_layers", "must be -1 (all) or >= 1")
     need(len(a.targets) >= 1, "adapter.targets", "name at least one module or 'default'")
     need(d.max_seq_length >= 2, "data.max_seq_length", f"must be >= 2, got {d.max_seq_length}")
+    need(config.model.checkpoint_layers >= 0, "model.checkpoint_layers", "must be >= 0 (0 = every layer)")
+    need(not config.model.checkpoint_layers or config.model.grad_checkpoint, "model.checkpoint_layers",
+         "applies to checkpointed runs; add --grad-checkpoint")
     need(config.model.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0 = no chunking)")
     need(d.length_bucket >= 1, "data.length_bucket", f"must be >= 1, got {d.length_bucket}")
     need(o.learning_rate > 0 and math.isfinite(o.learning_rate), "optim.learning_rate", "must be > 0")

@@ -143,10 +143,10 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
         layout = DocumentLayout(mx.broadcast_to(mx.arange(length), (batch, length)), mx.zeros((batch, length), mx.int32),
                                 dtype)
     x = mx.random.normal((batch, length, dim)).astype(dtype)
-    kinds: dict[str, list] = {}
+    kinds: dict[tuple, list] = {}  # layers that run alike: the same kind, checkpointed or not
     for layer in layers:
         kind = "attention" if is_attention_layer(layer) else type(layer).__name__
-        kinds.setdefault(kind, []).append(layer)
+        kinds.setdefault((kind, is_checkpointed(layer)), []).append(layer)
     activations, transient = 0, 0
     for members in kinds.values():
         one = _layers_probe(members[:1], layout, x)

@@ -145,10 +145,14 @@ def is_checkpointed(layer: nn.Module) -> bool:
     return getattr(type(layer), _CHECKPOINTED, False)
 
 
-def checkpoint_layers(model: nn.Module) -> None:
-    """Recompute each transformer layer's activations in the backward pass (less memory):
-    each layer's ``__call__`` runs under ``mx.checkpoint`` (see :func:`override_call`)."""
-    for layer in model.layers:
+def checkpoint_layers(model: nn.Module, count: int = 0) -> None:
+    """Recompute the first ``count`` transformer layers' activations (0: every layer's) in the
+    backward pass, for less memory: each one's ``__call__`` runs under ``mx.checkpoint`` (see
+    :func:`override_call`)."""
+    layers = list(model.layers)
+    if count > len(layers):
+        raise UserError(f"config field model.checkpoint_layers: {count} exceeds the model's {len(layers)} layers")
+    for layer in layers[:count or len(layers)]:
         plain_call = type(layer).__call__
 
         def checkpointed(self, *args, _call=plain_call, **kwargs):

@@ -125,7 +125,7 @@ class Trainer:
         if fastmath.active():
             fastmath.enable(model)
         if config.model.grad_checkpoint:
-            models.checkpoint_layers(model)
+            models.checkpoint_layers(model, config.model.checkpoint_layers)
         self.world.heartbeat()
 
         load = partial(data.load_dataset, tokenizer=tokenizer, max_seq_length=config.data.max_seq_length,

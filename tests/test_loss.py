@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten
 from mlxft import lora, models
 from mlxft.config import AdapterConfig
 from mlxft.data import Example, make_batch
+from mlxft.errors import UserError
 from mlxft.loss import cross_entropy, loss_fn, token_cross_entropy
 
 
@@ -102,14 +103,18 @@ def test_projected_head_equals_full_logits(model_dir, monkeypatch):
         np.testing.assert_allclose(np.array(g), np.array(g2), rtol=1e-4, atol=1e-6, err_msg=k)
 
 
-def test_gradient_checkpointing_changes_nothing_but_memory(model_dir):
+@pytest.mark.parametrize("count", [0, 1])
+def test_gradient_checkpointing_changes_nothing_but_memory(model_dir, count):
     model = _load_lora(model_dir)
     batch = make_batch(_rows(2), 4, 8).arrays()
     grad_fn = nn.value_and_grad(model, lambda m, *b: loss_fn(m, *b)[0])
     loss, grads = grad_fn(model, *batch)
-    models.checkpoint_layers(model)
+    models.checkpoint_layers(model, count)
     assert type(model.layers[0]).__name__ == type(model.layers[0]).__mro__[1].__name__
     assert models.is_checkpointed(model.layers[0]) and not models.is_checkpointed(_load_lora(model_dir).layers[0])
+    assert [models.is_checkpointed(layer) for layer in model.layers[1:]] == [not count] * (len(model.layers) - 1)
+    with pytest.raises(UserError, match="model.checkpoint_layers: 99 exceeds the model's"):
+        models.checkpoint_layers(_load_lora(model_dir), 99)
     loss2, grads2 = grad_fn(model, *batch)
     assert loss2.item() == pytest.approx(loss.item(), rel=1e-6)
     assert [k for k, _ in tree_flatten(grads)] == [k for k, _ in tree_flatten(grads2)]

@@ -42,7 +42,8 @@ def random_rows(n: int, longest: int, seed: int = 0) -> list[Example]:
 
 def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
     config = RunConfig.from_dict({
-        "model": {"model": str(model_dir), "dtype": "float32", "grad_checkpoint": train.pop("grad_checkpoint", False)},
+        "model": {"model": str(model_dir), "dtype": "float32", "grad_checkpoint": train.pop("grad_checkpoint", False),
+                  "checkpoint_layers": train.pop("checkpoint_layers", 0)},
         "data": {"data": "in-memory", "length_bucket": 32, "pack": train.pop("pack", False)},
         "adapter": {"rank": 8},
         "train": {"output_dir": str(tmp_path / "run"), "batch_size": batch_size, "max_steps": 3, "log_every": 1, **train},
@@ -70,6 +71,13 @@ def test_checkpointing_lowers_the_estimated_activations(wider_model, tmp_path):
     checkpointed = trainer(wider_model, tmp_path / "b", grad_checkpoint=True).estimate
     assert checkpointed.activations < plain.activations
     assert checkpointed.weights == plain.weights and checkpointed.loss == pytest.approx(plain.loss, rel=0.05)
+    # The first two of four layers recomputed: the estimate lies between, and so does the peak.
+    partial = trainer(wider_model, tmp_path / "c", grad_checkpoint=True, checkpoint_layers=2)
+    assert checkpointed.activations < partial.estimate.activations < plain.activations
+    partial.train()
+    records = [json.loads(x) for x in (tmp_path / "c" / "run" / "metrics.jsonl").read_text().splitlines()]
+    measured = max(r["peak_memory_gb"] for r in records if r["type"] == "train") * memory.GB
+    assert 0.75 <= partial.estimate.total / measured <= 1.25, (partial.estimate.describe(), measured / memory.GB)
 
 
 def test_a_checkpointed_layer_adds_only_its_input_to_the_estimate(wider_model, tmp_path, monkeypatch):

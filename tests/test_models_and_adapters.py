@@ -110,3 +110,6 @@ def test_config_layers_and_errors(tmp_path):
             cfg.resolve(parser.parse_args([]), str(path))
     with pytest.raises(UserError, match="no model given"):
         cfg.validate(RunConfig())
+    partial = RunConfig.from_dict({"model": {"model": "m", "checkpoint_layers": 2}, "data": {"data": "d"}})
+    with pytest.raises(UserError, match="model.checkpoint_layers: applies to checkpointed runs; add --grad-checkpoint"):
+        cfg.validate(partial)
