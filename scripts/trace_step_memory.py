@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -48,7 +49,7 @@ def main() -> None:
     import mlx.nn as nn
 
     from bench import load_model, synthetic_rows
-    from mlxft import loss, models
+    from mlxft import loss, memory, models
     from mlxft.config import RunConfig
     from mlxft.data import Dataset, make_batch
     from mlxft.trainer import Trainer
@@ -70,18 +71,11 @@ def main() -> None:
     batch = make_batch(rows[:args.batch_size], args.batch_size, 32).arrays()
     step, chunk = trainer.step, args.loss_chunk
     result = {"args": vars(args), "device": str(mx.default_device()), "inputs": list(batch[0].shape),
-              "supervised": int(batch[3].sum()), "graph_mb": _gpu.os.environ.get(_gpu.GRAPH_MB_VARIABLE)}
+              "supervised": int(batch[3].sum()), "graph_mb": os.environ.get(_gpu.GRAPH_MB_VARIABLE)}
 
     def measure(name, fn, repeats=3):
-        peaks = []
-        for _ in range(repeats):
-            mx.synchronize()
-            mx.clear_cache()
-            base = mx.get_active_memory()
-            mx.reset_peak_memory()
-            mx.eval(fn())
-            mx.synchronize()
-            peaks.append(round((mx.get_peak_memory() - base) / 1e9, 3))
+        peaks = [round(memory._probe(fn) / 1e9, 3) for _ in range(repeats)]
+        base = mx.get_active_memory()
         result[name + "_gb"] = peaks
         result["allocated_gb"] = round(base / 1e9, 3)
         print(f"{name:22} {peaks} GB over {base / 1e9:.3f} GB allocated", flush=True)

@@ -52,6 +52,12 @@ def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
     return Trainer(config, datasets=(Dataset(Path("rows"), rows, "completion"), None))
 
 
+def measured_peak(run: Trainer) -> float:
+    """The largest per-step peak a finished run reported, in bytes."""
+    records = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return max(r["peak_memory_gb"] for r in records if r["type"] == "train") * memory.GB
+
+
 @pytest.mark.parametrize("grad_checkpoint,pack", [(False, False), (True, False), (False, True)])
 def test_estimate_is_within_a_quarter_of_the_measured_peak(wider_model, tmp_path, grad_checkpoint, pack):
     gc.collect()  # earlier tests' arrays would count in the process-wide peak
@@ -59,8 +65,7 @@ def test_estimate_is_within_a_quarter_of_the_measured_peak(wider_model, tmp_path
     already_allocated = mx.get_active_memory()
     run = trainer(wider_model, tmp_path, grad_checkpoint=grad_checkpoint, pack=pack)
     run.train()
-    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    measured = max(r["peak_memory_gb"] for r in records if r["type"] == "train") * memory.GB - already_allocated
+    measured = measured_peak(run) - already_allocated
     # What the probes measure carries weight in what is compared.
     assert run.estimate.activations + run.estimate.loss > 0.5 * measured
     assert 0.75 <= run.estimate.total / measured <= 1.25, (run.estimate.describe(), measured / memory.GB)
@@ -75,8 +80,7 @@ def test_checkpointing_lowers_the_estimated_activations(wider_model, tmp_path):
     partial = trainer(wider_model, tmp_path / "c", grad_checkpoint=True, checkpoint_layers=2)
     assert checkpointed.activations < partial.estimate.activations < plain.activations
     partial.train()
-    records = [json.loads(x) for x in (tmp_path / "c" / "run" / "metrics.jsonl").read_text().splitlines()]
-    measured = max(r["peak_memory_gb"] for r in records if r["type"] == "train") * memory.GB
+    measured = measured_peak(partial)
     assert 0.75 <= partial.estimate.total / measured <= 1.25, (partial.estimate.describe(), measured / memory.GB)
 
 
