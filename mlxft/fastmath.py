@@ -11,6 +11,10 @@ slower with it), and GPUs have a fast exp in hardware, so :func:`active` keeps M
 MLX's CPU attention spends most of its time in the same exp, so it is written out here with
 this one. SmolLM2-135M chat SFT on that machine: 1.26-1.32x mlx-lm's tokens/s over two runs,
 against 1.17x before this module (1.37x twice once the benchmark timed every step after warm-up).
+
+The SwiGLU here also has its own backward pass, on every device: it keeps only its two inputs
+where autograd keeps the sigmoid and the SiLU as well. SmolLM2-135M on the CPU, 4 rows of up to
+512 tokens: the step's peak over the weights fell from 5.12 to 4.76 GB at the same step time.
 """
 
 from __future__ import annotations
@@ -83,8 +87,24 @@ def _softmax_vjp(primals, cotangent, output):
     return output * (cotangent - (cotangent * output).sum(axis=-1, keepdims=True))
 
 
+def _sigmoid(x: mx.array) -> mx.array:
+    return 1 / (1 + exp(-x)) if active() else mx.sigmoid(x)
+
+
+@mx.custom_function
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    return silu(gate) * x
+    """``silu(gate) * x``, whose backward pass keeps only ``gate`` and ``x``."""
+    return gate * _sigmoid(gate) * x
+
+
+@swiglu.vjp
+def _swiglu_vjp(primals, cotangent, output):
+    # Autograd would keep the sigmoid and the SiLU as well: two more [tokens, hidden] arrays a
+    # layer. Recomputing the sigmoid costs one elementwise pass, which the compiled step fuses.
+    gate, x = primals
+    sigmoid = _sigmoid(gate)
+    silu_gate = gate * sigmoid
+    return cotangent * x * (sigmoid + silu_gate * (1 - sigmoid)), cotangent * silu_gate
 
 
 def attention(queries, keys, values, scale: float, mask) -> mx.array:
@@ -132,8 +152,8 @@ def _lfm2_mlp(self, x):
 
 
 def enable(model: nn.Module) -> bool:
-    """Give a supported family's MLPs the vectorised SiLU (same weights, same function) and
-    its attention the written-out softmax; returns whether it applied. The MLPs change per
+    """Give a supported family's MLPs :func:`swiglu` (same weights, same function) and its
+    attention the written-out softmax; returns whether it applied. The MLPs change per
     instance; attention is a function of the family's mlx-lm module, so it is replaced there
     for the process, by one that takes :func:`attention` only for float32 training shapes
     on the CPU and mlx-lm's own path otherwise. Other families keep mlx-lm's code."""

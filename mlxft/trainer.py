@@ -122,8 +122,7 @@ class Trainer:
             self.targets = lora.apply(model, config.adapter, t.seed)
         if config.data.pack:
             packing.enable(model)
-        if fastmath.active():
-            fastmath.enable(model)
+        fastmath.enable(model)
         if config.model.grad_checkpoint:
             models.checkpoint_layers(model, config.model.checkpoint_layers)
         self.world.heartbeat()

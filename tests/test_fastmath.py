@@ -38,7 +38,9 @@ def test_exp_gradient_is_exp():
     assert mx.allclose(mx.grad(lambda v: fastmath.exp(v).sum())(x), mx.exp(x), rtol=1e-5).item()
 
 
-def test_swiglu_and_its_gradients_equal_mlx():
+@pytest.mark.parametrize("cpu_exp", [True, False])
+def test_swiglu_and_its_gradients_equal_mlx(cpu_exp, monkeypatch):
+    monkeypatch.setattr(fastmath, "active", lambda: cpu_exp)  # False: the GPU's path, mx.sigmoid
     mx.random.seed(0)
     gate, up = mx.random.normal((64, 96)) * 4, mx.random.normal((64, 96))
 
