@@ -44,7 +44,8 @@ class ModelConfig:
     quantize: int = _opt(0, "Quantize the base to this many bits on load (QLoRA); 0 keeps it.", (0, 4, 8))
     quantize_group_size: int = _opt(64, "Group size for --quantize.", (32, 64, 128))
     grad_checkpoint: bool = _opt(
-        False, "Recompute each layer's activations during the backward pass: less memory, ~1/3 more compute."
+        False, "Recompute each layer's activations during the backward pass: less memory, one more forward "
+           "pass (~1/3 more compute for full fine-tuning, ~1/2 for LoRA, whose frozen weights need no gradient)."
     )
     checkpoint_layers: int = _opt(
         0, "With --grad-checkpoint, recompute only the first N layers and keep the rest's activations: "
@@ -52,7 +53,7 @@ class ModelConfig:
     )
     loss_chunk: int = _opt(
         0, "Score supervised positions this many at a time, recomputing each chunk's logits in the backward "
-           "pass. With --grad-checkpoint on a GPU it lowers the peak (Llama-3.2-1B chat on CUDA: 0.47x "
+           "pass. With --grad-checkpoint on a GPU it lowers the peak (Llama-3.2-1B chat on CUDA: 0.49x "
            "mlx-lm's with 512); with fewer than ~10 chunks a step it can cost memory instead, as on the CPU, "
            "because MLX keeps the chunks it has queued (see README); 0 = all at once."
     )
