@@ -5,11 +5,14 @@ one path; only the wired limit is Metal's alone (unified memory that must stay r
 
 The peak-memory estimate adds what is known exactly (weights, adapters, their
 gradients and optimizer moments) to what is measured on the device at the run's batch
-shape: one forward and backward pass through one and through two layers of each kind (the
-difference is what each further layer keeps for the backward pass) and through the output
-head and loss at the largest supervised-token count. A checkpointed layer keeps only its
-input, which is counted as such; its recomputation is probed through one layer. The probes
-run eagerly, at a small fraction of a step's cost, and reflect the device's own kernels.
+shape. What each layer keeps for the backward pass is read off the device, not inferred from
+a peak: the forward pass of a vector-Jacobian product through one layer of each kind is
+evaluated with its backward pass left pending, and whatever it leaves allocated is what the
+backward will read (a checkpointed layer leaves nothing but what it was given). That figure
+is the same from run to run on a GPU, where peaks of eager passes are not (Llama-3.2-1B on an
+H200: one layer's peak-based share read 0.29 GB in one run and 0.72 in another). One eager
+forward and backward pass through a layer gives what it needs in passing, and the output head
+and loss are probed compiled, at the largest supervised-token count.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxft import _gpu
 from mlxft.models import compute_dtype, is_checkpointed
@@ -105,24 +108,53 @@ def _probe(fn, *args) -> int:
     return max(peak, 0)
 
 
-def _layers_probe(layers: list, layout, x: mx.array) -> int:
-    """The peak of a forward and backward pass (gradients of the layers' trainable
-    parameters) through ``layers`` in sequence, as the trainer's step runs them."""
-    saved = [layer.trainable_parameters() for layer in layers]
+def _layer_call(layer, layout):
+    mask = (layout.mask if layout is not None else "causal") if is_attention_layer(layer) else None
+    return lambda h: layer(h, mask, cache=layout)
+
+
+def _layer_peak(layer: nn.Module, layout, x: mx.array) -> int:
+    """The peak of a forward and backward pass (gradients of the trainable parameters) through
+    ``layer``, as the trainer's step runs it."""
+    saved = layer.trainable_parameters()
+    call = _layer_call(layer, layout)
 
     def forward(params, h):
-        for layer, p in zip(layers, params):
-            layer.update(p)
-        for layer in layers:
-            mask = (layout.mask if layout is not None else "causal") if is_attention_layer(layer) else None
-            h = layer(h, mask, cache=layout)
-        return h.astype(mx.float32).sum()
+        layer.update(params)
+        return call(h).astype(mx.float32).sum()
 
     try:
         return _probe(mx.value_and_grad(forward), saved, x)
-    finally:  # the traced update leaves the graph's arrays in the layers
-        for layer, p in zip(layers, saved):
-            layer.update(p)
+    finally:  # the traced update leaves the graph's arrays in the layer
+        layer.update(saved)
+
+
+def _kept_for_backward(layer: nn.Module, layout, x: mx.array) -> int:
+    """The bytes ``layer`` keeps from its forward pass for its backward pass, input included:
+    what the forward of a pending vector-Jacobian product leaves allocated besides its output."""
+    saved = layer.trainable_parameters()
+    names, values = zip(*tree_flatten(saved)) if tree_flatten(saved) else ((), ())
+    call = _layer_call(layer, layout)
+
+    def forward(*arrays):
+        layer.update(tree_unflatten(list(zip(names, arrays[:-1]))))
+        return call(arrays[-1])
+
+    mx.eval(x, values)
+    mx.synchronize()
+    base = mx.get_active_memory()
+    try:
+        out, pending = mx.vjp(forward, [*values, x], [mx.zeros_like(x)])
+        mx.eval(out)
+        mx.synchronize()
+        kept = mx.get_active_memory() - base - out[0].nbytes
+        del out, pending
+    finally:
+        layer.update(saved)
+        mx.clear_cache()
+    # The input is the probe's own argument, already allocated; in the step it is the previous
+    # layer's output, kept by every layer (normalisation or recomputation needs it).
+    return max(kept, 0) + x.nbytes
 
 
 def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimizer_state,
@@ -149,22 +181,9 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
         kinds.setdefault((kind, is_checkpointed(layer)), []).append(layer)
     activations, transient = 0, 0
     for members in kinds.values():
-        one = _layers_probe(members[:1], layout, x)
-        if is_checkpointed(members[0]):
-            # A recomputed layer keeps its input alone. Eager probes of two such layers keep far
-            # more (0.6 GB a layer against 17 MB of input for LFM2-1.2B on an H200), so they
-            # cannot tell it; counted this way the H200 estimates came 2-8% under the real peaks.
-            activations += x.nbytes * len(members)
-            transient = max(transient, one - x.nbytes)
-            continue
-        if len(members) == 1:  # nothing to tell what it keeps from what it needs in passing
-            activations += one
-            continue
-        # Two distinct layers: one layer applied twice kept several times what a layer of the
-        # real step keeps (checkpointed SmolLM2 on the CPU).
-        per_layer = max(_layers_probe(members[:2], layout, x) - one, 0)
-        activations += per_layer * len(members)
-        transient = max(transient, one - per_layer)
+        kept = _kept_for_backward(members[0], layout, x)
+        activations += kept * len(members)
+        transient = max(transient, _layer_peak(members[0], layout, x) - kept)
     hidden = mx.random.normal((max(supervised, 1), dim)).astype(dtype)
     # Compiled as in the step: the loss's backward is an elementwise expression that only a
     # compiled graph fuses (eagerly it allocates float32 [N, vocab] temporaries the step does not).
