@@ -51,6 +51,12 @@ class ModelConfig:
         0, "With --grad-checkpoint, recompute only the first N layers and keep the rest's activations: "
            "between the two in memory and speed; 0 = every layer."
     )
+    checkpoint_keep_mlp: bool = _opt(
+        False, "With --grad-checkpoint, keep each recomputed layer's MLP gate and up projections, the costliest "
+               "activations to recompute, and recompute only the rest (attention or convolution, norms, SwiGLU): "
+               "SmolLM2 on the CPU 0.67x the memory of no recomputation at 0.88x its speed (full recomputation: "
+               "0.47x at 0.74x). Llama and LFM2 families."
+    )
     loss_chunk: int = _opt(
         0, "Score supervised positions this many at a time, recomputing each chunk's logits in the backward "
            "pass. With --grad-checkpoint on a GPU it lowers the peak (Llama-3.2-1B chat on CUDA: 0.49x "
@@ -321,6 +327,8 @@ def validate(config: RunConfig) -> None:
     need(d.max_seq_length >= 2, "data.max_seq_length", f"must be >= 2, got {d.max_seq_length}")
     need(config.model.checkpoint_layers >= 0, "model.checkpoint_layers", "must be >= 0 (0 = every layer)")
     need(not config.model.checkpoint_layers or config.model.grad_checkpoint, "model.checkpoint_layers",
+         "applies to checkpointed runs; add --grad-checkpoint")
+    need(not config.model.checkpoint_keep_mlp or config.model.grad_checkpoint, "model.checkpoint_keep_mlp",
          "applies to checkpointed runs; add --grad-checkpoint")
     need(config.model.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0 = no chunking)")
     need(d.length_bucket >= 1, "data.length_bucket", f"must be >= 1, got {d.length_bucket}")

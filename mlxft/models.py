@@ -145,13 +145,76 @@ def is_checkpointed(layer: nn.Module) -> bool:
     return getattr(type(layer), _CHECKPOINTED, False)
 
 
-def checkpoint_layers(model: nn.Module, count: int = 0) -> None:
+class _RecomputedRandom:
+    """The random key a checkpointed layer's dropout masks come from while it runs.
+
+    A recomputation would otherwise draw new masks from MLX's global random state, and the
+    backward pass would differentiate a different function than the forward pass computed
+    (LoRA dropout 0.5 on a tiny Llama: gradients off by up to 80% of their size). Set from a
+    key drawn once per forward pass and captured by the recomputation, each dropout in the
+    layer draws the next key of the same sequence both times."""
+
+    key: mx.array | None = None
+
+    @classmethod
+    def next(cls) -> mx.array:
+        cls.key, drawn = mx.random.split(cls.key)
+        return drawn
+
+
+def _keyed_dropout(self, x):
+    if _RecomputedRandom.key is None or self._p_1 == 1 or not self.training:
+        return nn.Dropout.__call__(self, x)
+    return (mx.random.bernoulli(self._p_1, x.shape, key=_RecomputedRandom.next()) * x) * (1 / self._p_1)
+
+
+def _checkpoint(fn: Callable, layer: nn.Module) -> Callable:
+    """``mx.checkpoint(fn)``, recomputed with the forward pass's dropout masks where ``layer``
+    has any dropout."""
+    dropouts = [m for _, m in layer.named_modules() if isinstance(m, nn.Dropout) and m._p_1 < 1]
+    if not dropouts:
+        return mx.checkpoint(fn)
+    for dropout in dropouts:
+        override_call(dropout, _keyed_dropout, "_mlxft_keyed")
+
+    def call(*args):
+        start = mx.random.randint(0, 2**31 - 1, (2,), mx.uint32)  # a key, drawn from the global state
+
+        def with_key(*inner_args):
+            outer, _RecomputedRandom.key = _RecomputedRandom.key, start
+            try:
+                return fn(*inner_args)
+            finally:
+                _RecomputedRandom.key = outer
+
+        return mx.checkpoint(with_key)(*args)
+
+    return call
+
+
+# Per family, the names of a layer's parts as mlx-lm's layer ``__call__`` chains them: the norm
+# before the mixer, the mixer (the first present), the norm before the MLP, the MLP, and its
+# gate, up and down projections.
+_LAYER_PARTS = {
+    "llama": ("input_layernorm", ("self_attn",), "post_attention_layernorm", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    "lfm2": ("operator_norm", ("self_attn", "conv"), "ffn_norm", "feed_forward", ("w1", "w3", "w2")),
+}
+
+
+def checkpoint_layers(model: nn.Module, count: int = 0, keep_mlp: bool = False) -> None:
     """Recompute the first ``count`` transformer layers' activations (0: every layer's) in the
     backward pass, for less memory: each one's ``__call__`` runs under ``mx.checkpoint`` (see
-    :func:`override_call`)."""
+    :func:`override_call`). With ``keep_mlp`` (Llama and LFM2 families) a layer keeps its MLP's
+    gate and up projections, the two largest and costliest activations to recompute, and
+    recomputes the rest: the mixer (attention or convolution), the norms and the SwiGLU."""
+    from mlxft.fastmath import swiglu
+
     layers = list(model.layers)
     if count > len(layers):
         raise UserError(f"config field model.checkpoint_layers: {count} exceeds the model's {len(layers)} layers")
+    if keep_mlp and family(model) not in _LAYER_PARTS:
+        raise UserError(f"config field model.checkpoint_keep_mlp: not supported for {family(model)} models "
+                        f"(only {', '.join(_LAYER_PARTS)}); drop --checkpoint-keep-mlp")
     for layer in layers[:count or len(layers)]:
         plain_call = type(layer).__call__
 
@@ -160,6 +223,33 @@ def checkpoint_layers(model: nn.Module, count: int = 0) -> None:
                 self.update(params)
                 return _call(self, *inner_args, **kwargs)
 
-            return mx.checkpoint(inner)(self.trainable_parameters(), *args)
+            return _checkpoint(inner, self)(self.trainable_parameters(), *args)
 
-        override_call(layer, checkpointed, _CHECKPOINTED)
+        def keeping_mlp(self, x, mask=None, cache=None, _parts=_LAYER_PARTS.get(family(model))):
+            norm_name, mixers, mlp_norm_name, mlp_name, (gate_name, up_name, down_name) = _parts
+            norm, mlp_norm, mlp = self[norm_name], self[mlp_norm_name], self[mlp_name]
+            mixer = self[next(name for name in mixers if name in self)]
+            gate, up, down = mlp[gate_name], mlp[up_name], mlp[down_name]
+
+            def before_down(params, x):
+                # Recomputed in the backward pass, except the gate and up projections' frozen
+                # matmuls, whose outputs nothing there reads: their LoRA and input gradients
+                # need only the normalised input.
+                self.update(params)
+                h = x + mixer(norm(x), mask=mask, cache=cache)
+                normed = mlp_norm(h)
+                return h, gate(normed), up(normed)
+
+            def after_gates(params, h, g, u):
+                down.update(params)
+                return h + down(swiglu(g, u))
+
+            # mx.checkpoint keeps a function's outputs as well as its inputs until the backward
+            # pass: the residual sum stays in the second function so that it keeps the layer's
+            # output (the next layer's input, kept anyway) rather than the MLP's.
+            params = self.trainable_parameters()
+            params.get(mlp_name, {}).pop(down_name, None)
+            h, g, u = _checkpoint(before_down, self)(params, x)
+            return _checkpoint(after_gates, down)(down.trainable_parameters(), h, g, u)
+
+        override_call(layer, keeping_mlp if keep_mlp else checkpointed, _CHECKPOINTED)

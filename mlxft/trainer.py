@@ -124,7 +124,7 @@ class Trainer:
             packing.enable(model)
         fastmath.enable(model)
         if config.model.grad_checkpoint:
-            models.checkpoint_layers(model, config.model.checkpoint_layers)
+            models.checkpoint_layers(model, config.model.checkpoint_layers, config.model.checkpoint_keep_mlp)
         self.world.heartbeat()
 
         load = partial(data.load_dataset, tokenizer=tokenizer, max_seq_length=config.data.max_seq_length,

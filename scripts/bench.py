@@ -210,7 +210,8 @@ def run_mlxft(args, rows, val_rows):
     with tempfile.TemporaryDirectory() as tmp:
         config = RunConfig.from_dict({
             "model": {"model": args.model, "grad_checkpoint": args.grad_checkpoint,
-                      "checkpoint_layers": args.checkpoint_layers, "loss_chunk": args.loss_chunk},
+                      "checkpoint_layers": args.checkpoint_layers, "checkpoint_keep_mlp": args.checkpoint_keep_mlp,
+                      "loss_chunk": args.loss_chunk},
             "data": {"data": "in-memory", "length_bucket": 32, "max_seq_length": args.max_len + 1, "pack": args.pack},
             "adapter": {"targets": ["all"], "rank": args.rank, "alpha": 2.0 * args.rank},
             "optim": {"optimizer": "adam", "learning_rate": args.lr, "schedule": "constant", "max_grad_norm": 0.0},
@@ -266,6 +267,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--grad-checkpoint", action="store_true", help="mlxft recomputes layer activations")
     p.add_argument("--checkpoint-layers", type=int, default=0, help="with --grad-checkpoint, only the first N layers")
+    p.add_argument("--checkpoint-keep-mlp", action="store_true", help="with --grad-checkpoint, keep the MLP's gate and up projections")
     p.add_argument("--pack", action="store_true", help="mlxft packs each micro-batch's rows (same rows, same loss)")
     p.add_argument("--lora-float32", action="store_true", help="mlxft computes LoRA in float32 as mlx-lm does")
     p.add_argument("--loss-chunk", type=int, default=0, help="mlxft scores supervised positions in recomputed chunks")

@@ -36,9 +36,9 @@ def test_cross_entropy_matches_float64(smoothing):
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
-def _load_lora(model_dir):
+def _load_lora(model_dir, dropout=0.0):
     model, tokenizer, _, _ = models.load(str(model_dir), "float32")
-    lora.apply(model, AdapterConfig(rank=4), seed=0)
+    lora.apply(model, AdapterConfig(rank=4, dropout=dropout), seed=0)
     # Non-zero B so the adapters affect the output and receive full gradients.
     model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters()))
     return model
@@ -103,23 +103,56 @@ def test_projected_head_equals_full_logits(model_dir, monkeypatch):
         np.testing.assert_allclose(np.array(g), np.array(g2), rtol=1e-4, atol=1e-6, err_msg=k)
 
 
-@pytest.mark.parametrize("count", [0, 1])
-def test_gradient_checkpointing_changes_nothing_but_memory(model_dir, count):
+@pytest.mark.parametrize("count,keep_mlp", [(0, False), (1, False), (0, True)])
+def test_gradient_checkpointing_changes_nothing_but_memory(model_dir, count, keep_mlp):
     model = _load_lora(model_dir)
     batch = make_batch(_rows(2), 4, 8).arrays()
     grad_fn = nn.value_and_grad(model, lambda m, *b: loss_fn(m, *b)[0])
     loss, grads = grad_fn(model, *batch)
-    models.checkpoint_layers(model, count)
+    models.checkpoint_layers(model, count, keep_mlp)
     assert type(model.layers[0]).__name__ == type(model.layers[0]).__mro__[1].__name__
     assert models.is_checkpointed(model.layers[0]) and not models.is_checkpointed(_load_lora(model_dir).layers[0])
     assert [models.is_checkpointed(layer) for layer in model.layers[1:]] == [not count] * (len(model.layers) - 1)
-    with pytest.raises(UserError, match="model.checkpoint_layers: 99 exceeds the model's"):
-        models.checkpoint_layers(_load_lora(model_dir), 99)
+    if not count and not keep_mlp:  # the settings a model cannot take, once
+        with pytest.raises(UserError, match="model.checkpoint_layers: 99 exceeds the model's"):
+            models.checkpoint_layers(_load_lora(model_dir), 99)
+        other_family = _load_lora(model_dir)
+        other_family.model_type = "qwen2"  # one whose layer parts checkpoint_keep_mlp does not name
+        with pytest.raises(UserError, match="model.checkpoint_keep_mlp: not supported for qwen2 models"):
+            models.checkpoint_layers(other_family, 0, keep_mlp=True)
     loss2, grads2 = grad_fn(model, *batch)
     assert loss2.item() == pytest.approx(loss.item(), rel=1e-6)
     assert [k for k, _ in tree_flatten(grads)] == [k for k, _ in tree_flatten(grads2)]
+    # keep_mlp computes the SwiGLU with mlxft's own exp on the CPU, within 3e-7 of MLX's.
+    tolerance = {"rtol": 1e-4, "atol": 1e-6} if keep_mlp else {"rtol": 1e-5, "atol": 1e-7}
     for (k, g), (_, g2) in zip(tree_flatten(grads), tree_flatten(grads2)):
-        np.testing.assert_allclose(np.array(g2), np.array(g), rtol=1e-5, atol=1e-7, err_msg=k)
+        np.testing.assert_allclose(np.array(g2), np.array(g), err_msg=k, **tolerance)
+
+
+@pytest.mark.parametrize("keep_mlp", [False, True])
+def test_recomputed_layers_draw_the_forward_passes_dropout_masks(model_dir, keep_mlp, monkeypatch):
+    # With mx.checkpoint made a pass-through, the same layers draw the same masks from the same
+    # keys without recomputing: the gradient of exactly the function the forward pass computed.
+    # A recomputation drawing fresh masks from MLX's global random state was off by up to 80%.
+    batch = make_batch(_rows(2), 4, 8).arrays()
+
+    def gradients():
+        model = _load_lora(model_dir, dropout=0.5)
+        models.checkpoint_layers(model, 0, keep_mlp)
+        model.train()
+        mx.random.seed(3)
+        loss, grads = nn.value_and_grad(model, lambda m, *b: loss_fn(m, *b)[0])(model, *batch)
+        mx.eval(loss, grads)
+        return loss, grads
+
+    mx.random.seed(0)
+    recomputed = gradients()
+    monkeypatch.setattr(mx, "checkpoint", lambda fn: fn)
+    mx.random.seed(0)
+    kept = gradients()
+    assert recomputed[0].item() == pytest.approx(kept[0].item(), rel=1e-6)
+    for (k, g), (_, g2) in zip(tree_flatten(recomputed[1]), tree_flatten(kept[1])):
+        np.testing.assert_allclose(np.array(g), np.array(g2), rtol=1e-4, atol=1e-6, err_msg=k)
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])

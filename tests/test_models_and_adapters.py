@@ -113,3 +113,6 @@ def test_config_layers_and_errors(tmp_path):
     partial = RunConfig.from_dict({"model": {"model": "m", "checkpoint_layers": 2}, "data": {"data": "d"}})
     with pytest.raises(UserError, match="model.checkpoint_layers: applies to checkpointed runs; add --grad-checkpoint"):
         cfg.validate(partial)
+    keep_mlp = RunConfig.from_dict({"model": {"model": "m", "checkpoint_keep_mlp": True}, "data": {"data": "d"}})
+    with pytest.raises(UserError, match="model.checkpoint_keep_mlp: applies to checkpointed runs; add --grad-checkpoint"):
+        cfg.validate(keep_mlp)
