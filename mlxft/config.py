@@ -54,8 +54,8 @@ class ModelConfig:
     checkpoint_keep_mlp: bool = _opt(
         False, "With --grad-checkpoint, keep each recomputed layer's MLP gate and up projections, the costliest "
                "activations to recompute, and recompute only the rest (attention or convolution, norms, SwiGLU): "
-               "SmolLM2 on the CPU 0.67x the memory of no recomputation at 0.88x its speed (full recomputation: "
-               "0.47x at 0.74x). Llama and LFM2 families."
+               "SmolLM2 chat on the CPU: 1.48 GB against 2.32 without recomputation and 1.08 with all of it. "
+               "Llama and LFM2 families."
     )
     loss_chunk: int = _opt(
         0, "Score supervised positions this many at a time, recomputing each chunk's logits in the backward "
