@@ -133,7 +133,8 @@ def _kept_for_backward(layer: nn.Module, layout, x: mx.array) -> int:
     """The bytes ``layer`` keeps from its forward pass for its backward pass, input included:
     what the forward of a pending vector-Jacobian product leaves allocated besides its output."""
     saved = layer.trainable_parameters()
-    names, values = zip(*tree_flatten(saved)) if tree_flatten(saved) else ((), ())
+    flat = tree_flatten(saved)
+    names, values = [k for k, _ in flat], [v for _, v in flat]
     call = _layer_call(layer, layout)
 
     def forward(*arrays):

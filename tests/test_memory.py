@@ -86,7 +86,7 @@ def test_checkpointing_lowers_the_estimated_activations(wider_model, tmp_path):
     assert 0.75 <= partial.estimate.total / measured <= 1.25, (partial.estimate.describe(), measured / memory.GB)
 
 
-def test_a_checkpointed_layer_keeps_only_its_input_for_the_backward_pass(wider_model, tmp_path):
+def test_recomputed_layers_keep_their_inputs_and_nothing_they_recompute(wider_model, tmp_path):
     # What the estimate counts a layer for is read off the pending backward pass of a vjp,
     # not off a peak: for a recomputed layer that is its input alone, for a plain one far more.
     batch, length = 4, 128
