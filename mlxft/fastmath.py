@@ -35,7 +35,6 @@ _TAYLOR = (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0)
 _LOWEST = -87.0  # below this exp underflows float32's normal range: the result is 0
 _HIGHEST = 88.0
 
-SUPPORTED_FAMILIES = ("llama", "lfm2")
 
 
 def active() -> bool:
@@ -135,12 +134,15 @@ def _attention_for(original):
     return scaled_dot_product_attention
 
 
-def _llama_mlp(self, x):
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+def _swiglu_mlp(gate: str, up: str, down: str):
+    def call(self, x):
+        return self[down](swiglu(self[gate](x), self[up](x)))
+
+    return call
 
 
-def _lfm2_mlp(self, x):
-    return self.w2(swiglu(self.w1(x), self.w3(x)))
+# One MLP call per family, from the names of its projections.
+_MLP_CALLS = {name: _swiglu_mlp(*parts.projections) for name, parts in models.LAYER_PARTS.items()}
 
 
 def enable(model: nn.Module) -> bool:
@@ -149,12 +151,12 @@ def enable(model: nn.Module) -> bool:
     instance; attention is a function of the family's mlx-lm module, so it is replaced there
     for the process, by one that takes :func:`attention` only for float32 training shapes
     on the CPU and mlx-lm's own path otherwise. Other families keep mlx-lm's code."""
-    if models.family(model) not in SUPPORTED_FAMILIES:
+    family = models.family(model)
+    if family not in _MLP_CALLS:
         return False
     module = sys.modules[type(model).__module__]
     if not hasattr(module.scaled_dot_product_attention, "mlxft_original"):
         module.scaled_dot_product_attention = _attention_for(module.scaled_dot_product_attention)
     for layer in model.layers:
-        mlp = layer.mlp if "mlp" in layer else layer.feed_forward
-        models.override_call(mlp, _llama_mlp if "gate_proj" in mlp else _lfm2_mlp, "_mlxft_fast_exp")
+        models.override_call(layer[models.LAYER_PARTS[family].mlp], _MLP_CALLS[family], "_mlxft_fast_exp")
     return True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -168,14 +168,20 @@ def _keyed_dropout(self, x):
     return (mx.random.bernoulli(self._p_1, x.shape, key=_RecomputedRandom.next()) * x) * (1 / self._p_1)
 
 
-def _checkpoint(fn: Callable, layer: nn.Module) -> Callable:
-    """``mx.checkpoint(fn)``, recomputed with the forward pass's dropout masks where ``layer``
-    has any dropout."""
+def _key_dropouts(layer: nn.Module) -> bool:
+    """Make ``layer``'s active dropouts draw from :class:`_RecomputedRandom` while it is recomputed;
+    returns whether it has any."""
     dropouts = [m for _, m in layer.named_modules() if isinstance(m, nn.Dropout) and m._p_1 < 1]
-    if not dropouts:
-        return mx.checkpoint(fn)
     for dropout in dropouts:
         override_call(dropout, _keyed_dropout, "_mlxft_keyed")
+    return bool(dropouts)
+
+
+def _checkpoint(fn: Callable, keyed: bool) -> Callable:
+    """``mx.checkpoint(fn)``; ``keyed`` (the layer has dropout, see :func:`_key_dropouts`): the
+    recomputation draws the forward pass's dropout masks."""
+    if not keyed:
+        return mx.checkpoint(fn)
 
     def call(*args):
         start = mx.random.randint(0, 2**31 - 1, (2,), mx.uint32)  # a key, drawn from the global state
@@ -192,12 +198,20 @@ def _checkpoint(fn: Callable, layer: nn.Module) -> Callable:
     return call
 
 
-# Per family, the names of a layer's parts as mlx-lm's layer ``__call__`` chains them: the norm
-# before the mixer, the mixer (the first present), the norm before the MLP, the MLP, and its
-# gate, up and down projections.
-_LAYER_PARTS = {
-    "llama": ("input_layernorm", ("self_attn",), "post_attention_layernorm", "mlp", ("gate_proj", "up_proj", "down_proj")),
-    "lfm2": ("operator_norm", ("self_attn", "conv"), "ffn_norm", "feed_forward", ("w1", "w3", "w2")),
+class LayerParts(NamedTuple):
+    """The names of a layer's parts, as mlx-lm's layer ``__call__`` chains them."""
+
+    norm: str  # before the mixer
+    mixers: tuple[str, ...]  # attention or convolution: the first the layer has
+    mlp_norm: str
+    mlp: str
+    projections: tuple[str, str, str]  # the MLP's gate, up and down
+
+
+LAYER_PARTS = {
+    "llama": LayerParts("input_layernorm", ("self_attn",), "post_attention_layernorm", "mlp",
+                        ("gate_proj", "up_proj", "down_proj")),
+    "lfm2": LayerParts("operator_norm", ("self_attn", "conv"), "ffn_norm", "feed_forward", ("w1", "w3", "w2")),
 }
 
 
@@ -212,20 +226,20 @@ def checkpoint_layers(model: nn.Module, count: int = 0, keep_mlp: bool = False) 
     layers = list(model.layers)
     if count > len(layers):
         raise UserError(f"config field model.checkpoint_layers: {count} exceeds the model's {len(layers)} layers")
-    if keep_mlp and family(model) not in _LAYER_PARTS:
+    if keep_mlp and family(model) not in LAYER_PARTS:
         raise UserError(f"config field model.checkpoint_keep_mlp: not supported for {family(model)} models "
-                        f"(only {', '.join(_LAYER_PARTS)}); drop --checkpoint-keep-mlp")
+                        f"(only {', '.join(LAYER_PARTS)}); drop --checkpoint-keep-mlp")
     for layer in layers[:count or len(layers)]:
-        plain_call = type(layer).__call__
+        plain_call, keyed = type(layer).__call__, _key_dropouts(layer)
 
-        def checkpointed(self, *args, _call=plain_call, **kwargs):
+        def checkpointed(self, *args, _call=plain_call, _keyed=keyed, **kwargs):
             def inner(params, *inner_args):
                 self.update(params)
                 return _call(self, *inner_args, **kwargs)
 
-            return _checkpoint(inner, self)(self.trainable_parameters(), *args)
+            return _checkpoint(inner, _keyed)(self.trainable_parameters(), *args)
 
-        def keeping_mlp(self, x, mask=None, cache=None, _parts=_LAYER_PARTS.get(family(model))):
+        def keeping_mlp(self, x, mask=None, cache=None, _parts=LAYER_PARTS.get(family(model)), _keyed=keyed):
             norm_name, mixers, mlp_norm_name, mlp_name, (gate_name, up_name, down_name) = _parts
             norm, mlp_norm, mlp = self[norm_name], self[mlp_norm_name], self[mlp_name]
             mixer = self[next(name for name in mixers if name in self)]
@@ -249,7 +263,7 @@ def checkpoint_layers(model: nn.Module, count: int = 0, keep_mlp: bool = False) 
             # output (the next layer's input, kept anyway) rather than the MLP's.
             params = self.trainable_parameters()
             params.get(mlp_name, {}).pop(down_name, None)
-            h, g, u = _checkpoint(before_down, self)(params, x)
-            return _checkpoint(after_gates, down)(down.trainable_parameters(), h, g, u)
+            h, g, u = _checkpoint(before_down, _keyed)(params, x)
+            return _checkpoint(after_gates, _keyed)(down.trainable_parameters(), h, g, u)
 
         override_call(layer, keeping_mlp if keep_mlp else checkpointed, _CHECKPOINTED)
