@@ -246,6 +246,32 @@ def run_mlxft(args, rows, val_rows):
     return result
 
 
+def pair_orders(repeats: int) -> list[tuple[str, str]]:
+    """The order of the two trainers in each of ``repeats`` pairs: alternated, so that neither
+    always runs first on a GPU whose clocks and neighbours change within a session."""
+    return [("mlx-lm", "mlxft") if i % 2 == 0 else ("mlxft", "mlx-lm") for i in range(repeats)]
+
+
+def pair_ratios(pair: dict) -> dict:
+    base, ours = pair["mlx-lm"], pair["mlxft"]
+    return {key: ours[field] / base[field] for key, field in (
+        ("supervised_tokens_per_sec", "supervised_tokens_per_sec"), ("tokens_per_sec", "tokens_per_sec"),
+        ("peak_memory", "peak_memory_gb"))}
+
+
+def summarize(pairs: list[dict]) -> dict:
+    """The median pair by throughput ratio (its results and ratios stand for the run), and with
+    several pairs every pair's ratios and results. The median of an even count is the lower
+    middle pair, so the figure shown is always one that was measured."""
+    ratios = [pair_ratios(p) for p in pairs]
+    ranked = sorted(range(len(pairs)), key=lambda i: ratios[i]["supervised_tokens_per_sec"])
+    middle = ranked[(len(pairs) - 1) // 2]
+    summary = {"results": [pairs[middle]["mlx-lm"], pairs[middle]["mlxft"]], "ratios (mlxft / mlx-lm)": ratios[middle]}
+    if len(pairs) > 1:
+        summary.update({"pair ratios": ratios, "pairs": [[p["mlx-lm"], p["mlxft"]] for p in pairs]})
+    return summary
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:smollm2-135m-instruct", help="model dir, builtin:..., or config:lfm2-1.2b / config:llama-3.2-1b")
@@ -277,10 +303,12 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=0, help="mlxft's log interval (default: --warmup; must divide it)")
     p.add_argument("--only", choices=("both", "mlxft", "mlx-lm"), default="both")
     p.add_argument("--backend", default="none", help="mlxft's distributed backend (auto under mlx.launch)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="pairs of runs, the trainers' order alternating; the pair with the median throughput ratio is reported")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    if not 0 < args.warmup < args.steps or (args.log_every and args.warmup % args.log_every):
-        p.error("need 0 < --warmup < --steps, and --log-every dividing --warmup")
+    if not 0 < args.warmup < args.steps or (args.log_every and args.warmup % args.log_every) or args.repeats < 1:
+        p.error("need 0 < --warmup < --steps, --log-every dividing --warmup, and --repeats of at least 1")
     if args.fixed_length:
         args.max_len = args.fixed_length
     if args.data:
@@ -297,24 +325,23 @@ def main() -> None:
         if result is not None:  # None: a data-parallel rank other than 0
             print("RESULT " + json.dumps(result))
         return
-    results = []
-    for only in ("mlx-lm", "mlxft"):
-        argv = [a for a in sys.argv[1:]] + ["--only", only]
-        proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            sys.exit(f"{only} run failed:\n{proc.stderr[-3000:]}")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
-    base, ours = results
+    pairs = []
+    for order in pair_orders(args.repeats):
+        pair = {}
+        for only in order:
+            argv = [a for a in sys.argv[1:]] + ["--only", only]
+            proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                sys.exit(f"{only} run failed:\n{proc.stderr[-3000:]}")
+            pair[only] = json.loads(lines[-1][len("RESULT "):])
+            print(f"pair {len(pairs) + 1} {lines[-1]}", flush=True)  # kept if a later pair does not finish
+        pairs.append(pair)
     summary = {
         "args": vars(args), "device": str(mx.default_device()), "machine": platform.machine(),
-        "mlx": mx.__version__, "environment": {k: os.environ.get(k) for k in ENVIRONMENT}, "results": results,
-        "ratios (mlxft / mlx-lm)": {
-            "supervised_tokens_per_sec": ours["supervised_tokens_per_sec"] / base["supervised_tokens_per_sec"],
-            "tokens_per_sec": ours["tokens_per_sec"] / base["tokens_per_sec"],
-            "peak_memory": ours["peak_memory_gb"] / base["peak_memory_gb"],
-        },
+        "mlx": mx.__version__, "environment": {k: os.environ.get(k) for k in ENVIRONMENT}, **summarize(pairs),
     }
+    results = summary["results"]
     work = Path(args.data.split(":")[-1]).name if args.data else args.workload
     out = Path(args.out or f"benchmarks/bench-{args.model.split(':')[-1].replace('/', '_')}-{work}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -324,6 +351,9 @@ def main() -> None:
         print(f"{r['trainer']:8} {r['supervised_tokens_per_sec']:10.0f} {r['tokens_per_sec']:10.0f} "
               f"{r['peak_memory_gb']:8.2f} {r['train_loss']:10.4f} {r['val_loss']:9.4f}")
     ratios = summary["ratios (mlxft / mlx-lm)"]
+    if len(pairs) > 1:
+        each = ", ".join(f"{r['supervised_tokens_per_sec']:.2f}x" for r in summary["pair ratios"])
+        print(f"throughput ratio of each pair (mlx-lm first in the 1st, 3rd, ...): {each}; the median pair is shown")
     print(f"mlxft / mlx-lm: throughput {ratios['supervised_tokens_per_sec']:.2f}x, peak memory {ratios['peak_memory']:.2f}x -> {out}")
 
 

@@ -47,3 +47,22 @@ def test_mlx_lm_loss_to_the_last_token_is_mlxfts_loss(llama_dir):
     # As shipped, mlx-lm's loss counts one padding target per row exactly when the probe says so.
     shipped_count = default_loss(model, tokens, lengths)[1].item()
     assert shipped_count == supervised + len(rows) * bench.mlx_lm_counts_padding()
+
+
+def test_repeated_pairs_alternate_and_report_the_median_pair():
+    assert bench.pair_orders(3) == [("mlx-lm", "mlxft"), ("mlxft", "mlx-lm"), ("mlx-lm", "mlxft")]
+
+    def pair(base_speed, our_speed, our_peak):
+        return {"mlx-lm": {"supervised_tokens_per_sec": base_speed, "tokens_per_sec": 2 * base_speed, "peak_memory_gb": 10.0},
+                "mlxft": {"supervised_tokens_per_sec": our_speed, "tokens_per_sec": 2 * our_speed, "peak_memory_gb": our_peak}}
+
+    pairs = [pair(100, 150, 5.0), pair(100, 110, 6.0), pair(80, 100, 7.0)]  # 1.5x, 1.1x, 1.25x
+    summary = bench.summarize(pairs)
+    assert summary["ratios (mlxft / mlx-lm)"] == {"supervised_tokens_per_sec": 1.25, "tokens_per_sec": 1.25,
+                                                  "peak_memory": 0.7}
+    assert summary["results"] == [pairs[2]["mlx-lm"], pairs[2]["mlxft"]]
+    assert [r["supervised_tokens_per_sec"] for r in summary["pair ratios"]] == [1.5, 1.1, 1.25]
+    # An even count reports the lower middle pair, one that was measured.
+    assert bench.summarize(pairs[:2])["ratios (mlxft / mlx-lm)"]["supervised_tokens_per_sec"] == 1.1
+    single = bench.summarize(pairs[:1])
+    assert set(single) == {"results", "ratios (mlxft / mlx-lm)"}
