@@ -142,7 +142,7 @@ class TrainConfig:
     grad_accum_steps: int = _opt(1, "Micro-batches per optimizer step (token-weighted).")
     seed: int = _opt(0, "Seed for data order, adapter init and dropout.")
     eval_every: int = _opt(0, "Validate every N optimizer steps (and always at the end); 0 = end only.")
-    max_eval_batches: int = _opt(0, "Cap validation at this many batches; 0 = the whole set.")
+    max_eval_batches: int = _opt(0, "Cap validation at this many batches: the file's first N x batch-size rows; 0 = the whole set.")
     exact_match_rows: int = _opt(
         0, "Before and after training, answer this many validation rows greedily and report exact-match; 0 = off."
     )
@@ -217,6 +217,11 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"{where}: expected an integer, got {value!r}")
     elif isinstance(default, float):
+        if isinstance(value, str):  # PyYAML reads 1e-4 (no dot before the e) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"{where}: expected a number, got {value!r}")
         value = float(value)
@@ -259,7 +264,9 @@ def load_yaml(path: str | Path) -> dict:
     """Read a YAML config file, turning every read or parse problem into a one-line error."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"config file {path}: not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from err
     except OSError as err:
         raise UserError(f"cannot read config file {path}: {err.strerror or err}") from err
     try:
@@ -309,6 +316,9 @@ def resolve(args: argparse.Namespace, config_path: str | None) -> RunConfig:
     return config
 
 
+MAX_GB = 1e6  # a memory or cache size beyond any machine: surely a typo
+
+
 def validate(config: RunConfig) -> None:
     """Reject values no run can use, naming the field and what to do."""
 
@@ -317,6 +327,10 @@ def validate(config: RunConfig) -> None:
             raise UserError(f"config field {name}: {what}")
 
     a, d, o, t = config.adapter, config.data, config.optim, config.train
+    for section in SECTIONS:  # inf and nan pass most range checks below, then break the run
+        for name, value in vars(getattr(config, section)).items():
+            finite = not isinstance(value, float) or math.isfinite(value)
+            need(finite, f"{section}.{name}", f"must be a finite number, got {value}")
     need(bool(config.model.model), "model.model", "no model given; pass --model DIR_OR_REPO")
     need(bool(d.data or d.train_file), "data.data", "no training data given; pass --data DIR or --train-file")
     need(a.rank >= 1, "adapter.rank", f"must be >= 1, got {a.rank}")
@@ -337,15 +351,19 @@ def validate(config: RunConfig) -> None:
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(o.optimizer != "adam" or o.weight_decay == 0, "optim.weight_decay", "Adam has no weight decay; use --optimizer adamw")
+    need(0 <= o.momentum < 1, "optim.momentum", f"must be in [0, 1), got {o.momentum}")
     need(o.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0 (0 disables clipping)")
     need(0 <= o.label_smoothing < 1, "optim.label_smoothing", "must be in [0, 1)")
     need(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
     need(t.max_steps >= 0, "train.max_steps", "must be >= 0 (0 = train by epochs)")
     need(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
     need(t.grad_accum_steps >= 1, "train.grad_accum_steps", f"must be >= 1, got {t.grad_accum_steps}")
-    need(t.memory_limit >= 0, "train.memory_limit", "must be >= 0 GB (0 = MLX's default)")
-    need(t.cache_limit >= 0 or t.cache_limit == -1, "train.cache_limit", "must be >= 0 GB, or -1 for MLX's default")
-    need(t.clear_cache_above >= 0 or t.clear_cache_above == -1, "train.clear_cache_above", "must be >= 0 GB, or -1 (never)")
+    # MLX takes byte counts as size_t: past ~1.8e10 GB they no longer convert.
+    need(0 <= t.memory_limit <= MAX_GB, "train.memory_limit", f"must be 0 to {MAX_GB:g} GB (0 = MLX's default)")
+    need(0 <= t.cache_limit <= MAX_GB or t.cache_limit == -1, "train.cache_limit",
+         f"must be 0 to {MAX_GB:g} GB, or -1 for MLX's default")
+    need(0 <= t.clear_cache_above <= MAX_GB or t.clear_cache_above == -1, "train.clear_cache_above",
+         f"must be 0 to {MAX_GB:g} GB, or -1 (never)")
     need(o.max_nonfinite_steps >= 0, "optim.max_nonfinite_steps", "must be >= 0")
     for name in ("eval_every", "save_every", "max_eval_batches", "exact_match_rows", "keep_checkpoints"):
         need(getattr(t, name) >= 0, f"train.{name}", "must be >= 0")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +80,7 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     """(line number, object) for every non-blank line; malformed lines are errors."""
     rows = []
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a BOM (Windows editors) is not part of line 1
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -113,7 +115,17 @@ def _need_str(row: dict, key: str, where: str) -> str:
         raise UserError(f"{where}: missing field '{key}'")
     if not isinstance(row[key], str):
         raise UserError(f"{where}: field '{key}' must be a string, got {type(row[key]).__name__}")
+    _need_text(row[key], key, where)
     return row[key]
+
+
+def _need_text(value: str, name: str, where: str) -> None:
+    # JSON may spell a lone surrogate ("\ud800"), which no tokenizer can encode.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError(f"{where}: field '{name}' holds an unpaired surrogate ({value[err.start]!r} at "
+                        f"character {err.start}); fix the \\u escape or remove it") from err
 
 
 def check_row(row: dict, where: str) -> str:
@@ -131,6 +143,8 @@ def check_row(row: dict, where: str) -> str:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise UserError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+            _need_text(m["role"], f"messages[{i}].role", where)
+            _need_text(m["content"], f"messages[{i}].content", where)
     return kind
 
 
@@ -184,7 +198,9 @@ def _incremental_spans(tokenizer, messages: list, full: str) -> list[tuple[int, 
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:i], True) if i else ""
+        if i == 0:  # no prompt to end a role header; the content search leaves the header out
+            return None
+        prompt = _render(tokenizer, messages[:i], True)
         upto = _render(tokenizer, messages[: i + 1], False)
         if not (upto.startswith(prompt) and full.startswith(upto)) or (spans and len(prompt) < spans[-1][1]):
             return None
@@ -192,27 +208,87 @@ def _incremental_spans(tokenizer, messages: list, full: str) -> list[tuple[int, 
     return spans
 
 
+def _end_of_turn(tokenizer) -> str:
+    """The text a template puts after an assistant turn's content, from a two-turn probe.
+
+    It is what follows the first answer both when the chat ends there and when it goes on:
+    the end of a conversation may add more (Phi-3.5 appends EOS), and the next turn's header
+    is not part of it. Cut back to whole tokens, because "<|end|>\n<|endoftext|>" and
+    "<|end|>\n<|user|>" also share "<|".
+    """
+    answer = "\x00probe\x00"
+    one = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
+    two = one + [{"role": "user", "content": "r"}, {"role": "assistant", "content": "s"}]
+    renders = [_render(tokenizer, chat, False) for chat in (one, two)]
+    tails = [text[text.index(answer) + len(answer):] for text in renders if answer in text]
+    if len(tails) < 2:
+        return ""
+    tokens = [_encode(tokenizer, tail) for tail in tails]
+
+    def whole_tokens(text: str) -> bool:
+        ids = _encode(tokenizer, text)
+        return all(t[: len(ids)] == ids for t in tokens)
+
+    eot = os.path.commonprefix(tails)
+    while eot and not whole_tokens(eot):
+        eot = eot[:-1]
+    return eot
+
+
+# A leading reasoning block, which templates such as Qwen3's drop from earlier turns.
+_REASONING = re.compile(r"^\s*<think>.*?</think>", re.S)
+
+
+def _find(full: str, content: str, cursor: int, end_of_turn: str) -> tuple[int, int] | None:
+    """Where ``content`` is rendered at or after ``cursor``: as given, trimmed (Llama 3 trims)
+    or without its reasoning block (nothing left: an empty answer at ``cursor``). A match
+    followed by the end-of-turn text comes first, so a short answer such as "d" is not taken
+    from inside "<|im_end|>" or a role header."""
+    for text in dict.fromkeys((content, content.strip(), _REASONING.sub("", content).strip())):
+        if not text:
+            return cursor, cursor
+        for suffix in (end_of_turn, ""):
+            at = full.find(text + suffix, cursor)
+            if at >= 0:
+                return at, at + len(text)
+    return None
+
+
 def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tuple[int, int]]:
     """Assistant spans for templates that rewrite earlier turns (e.g. dropping reasoning).
 
-    Each assistant content is found in order in the full rendering, followed by the
-    template's end-of-turn text, learned from a one-turn probe.
+    Every message's content is found in order, each after the one before, so an answer is
+    never matched inside the system prompt or the user turn before it; a message the
+    template leaves out (a dropped system prompt) is skipped. A span is the answer and the
+    end-of-turn text after it; an empty answer supervises only its end-of-turn, the last one
+    before the next message's content. The chat's last message keeps whatever the template
+    closes the conversation with, as the incremental spans do.
     """
-    probe_text = "\x00probe\x00"
-    probe = _render(tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": probe_text}], False)
-    end_of_turn = probe[probe.index(probe_text) + len(probe_text):] if probe_text in probe else ""
-    spans, cursor = [], 0
+    end_of_turn = _end_of_turn(tokenizer)
+    found, cursor = [], 0
     for m in messages:
+        at = _find(full, m["content"], cursor, end_of_turn) if m["content"].strip() else (cursor, cursor)
+        if at is None and m["role"] == "assistant":
+            raise UserError(f"{where}: an assistant turn's content does not appear in the chat template's rendering")
+        found.append(at)
+        cursor = at[1] if at else cursor
+    spans: list[tuple[int, int]] = []
+    for i, (m, at) in enumerate(zip(messages, found)):
         if m["role"] != "assistant":
             continue
-        start = full.find(m["content"], cursor)
-        if start < 0:
-            raise UserError(f"{where}: an assistant turn's content does not appear in the chat template's rendering")
-        end = start + len(m["content"])
+        start, end = at
+        if start == end:
+            limit = next((s for s, _ in filter(None, found[i + 1:]) if s > start), len(full))
+            start = full.rfind(end_of_turn, start, limit) if end_of_turn else -1
+            if start < 0:
+                continue
+            end = start
         if end_of_turn and full.startswith(end_of_turn, end):
             end += len(end_of_turn)
-        spans.append((start, end))
-        cursor = end
+        if i == len(messages) - 1:
+            end = len(full)
+        if start >= (spans[-1][1] if spans else 0) and end > start:
+            spans.append((start, end))
     return spans
 
 
@@ -284,17 +360,21 @@ def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bo
     return Dataset(path, examples, kind, truncated, skipped)
 
 
-def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int, shuffle: bool = True) -> list[np.ndarray]:
+def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int, shuffle: bool = True,
+                  max_batches: int = 0) -> list[np.ndarray]:
     """The batches of one epoch as index arrays; the last one may be short.
 
-    With ``shuffle=False`` (evaluation) rows are simply taken in length order.
+    With ``shuffle=False`` (evaluation) rows are simply taken in length order; ``max_batches``
+    (> 0) keeps the first ``max_batches * batch_size`` rows in file order, so a capped
+    evaluation scores rows of every length rather than only the shortest ones.
     Shuffled from (seed, epoch) alone, then sorted by length inside windows of
     ``LENGTH_GROUP_BATCHES`` batches so rows of similar length share a batch.
     """
     n = len(lengths)
     if not shuffle:  # evaluation: length-sorted for the least padding
-        order = np.argsort(lengths, kind="stable")
-        return [order[i : i + batch_size] for i in range(0, n, batch_size)]
+        rows = np.arange(min(n, max_batches * batch_size) if max_batches else n)
+        order = rows[np.argsort(lengths[rows], kind="stable")]
+        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(n)
     window = batch_size * LENGTH_GROUP_BATCHES

@@ -6,13 +6,18 @@ import argparse
 import sys
 from pathlib import Path
 
-import mlxft  # noqa: F401 - preloads an optimized BLAS before MLX is imported
-from mlxft import config as cfg
+from mlxft import config as cfg  # the package import preloads an optimized BLAS before MLX is imported
 from mlxft.errors import run_cli
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # The house one-line error, not argparse's usage block (which lists ~50 options).
+        self.exit(2, f"error: {message} ({self.prog} --help lists the options)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m mlxft.train",
         description="Fine-tune an mlx-lm model (LoRA, DoRA or full) on JSONL data. "
         "Flags override --config, which overrides the defaults.",
@@ -30,7 +35,8 @@ DEFAULT_JOB = Path(__file__).with_name("default_job.yaml")
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     config_path = args.config
-    if not config_path and not hasattr(args, "model.model") and not hasattr(args, "data.data"):
+    given = ("model.model", "data.data", "data.train_file", "data.valid_file")
+    if not config_path and not any(hasattr(args, name) for name in given):
         config_path = DEFAULT_JOB  # no model, data or config given: the built-in default job
         print(f"no --model/--data/--config given: running the default job ({DEFAULT_JOB.name})")
     config = cfg.resolve(args, config_path)

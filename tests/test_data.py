@@ -58,6 +58,53 @@ def test_chat_mask_incremental_template(tokenizer, monkeypatch):
     assert ids_all == ids and all(mask_all)
 
 
+def supervised(tokenizer, messages):
+    ids, mask = encode_chat(tokenizer, messages, True, "test")
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+    return [text for flag, text in runs(tokenizer, ids, mask) if flag]
+
+
+def turns(*pairs, system=None):
+    head = [{"role": "system", "content": system}] if system else []
+    return head + [{"role": role, "content": c} for q, a in pairs for role, c in (("user", q), ("assistant", a))]
+
+
+@pytest.mark.parametrize(
+    "messages, answers",
+    [
+        # Answers that also appear in the system prompt or in the user turn before them.
+        (turns(("2+2?", "4"), ("3+3?", "6"), system="Answer 4 or 6 only."), ["4<|im_end|>\n", "6<|im_end|>\n"]),
+        (turns(("Say ok", "ok"), ("Say d", "d")), ["ok<|im_end|>\n", "d<|im_end|>\n"]),
+        # An empty answer is trained to end its turn at once.
+        (turns(("Say ok", "ok"), ("again", "")), ["ok<|im_end|>\n", "<|im_end|>\n"]),
+        (turns(("a", ""), ("b", "ok")), ["<|im_end|>\n", "ok<|im_end|>\n"]),
+        # Qwen3 drops the reasoning of earlier turns: the answer without it is what the chat shows.
+        (turns(("2+2?", "<think>\nadd them\n</think>\n\n4"), ("3+3?", "<think>\nadd them\n</think>\n\n6")),
+         ["4<|im_end|>\n", "<think>\nadd them\n</think>\n\n6<|im_end|>\n"]),
+        (turns(("2+2?", "<think>\nadd them\n</think>"), ("3+3?", "6")), ["<|im_end|>\n", "6<|im_end|>\n"]),
+    ],
+)
+def test_multi_turn_qwen3_supervises_exactly_the_answers(tokenizer, messages, answers):
+    assert supervised(tokenizer, messages) == answers
+
+
+@pytest.mark.parametrize("template", [None, CHATML])
+def test_role_header_of_a_leading_assistant_turn_is_not_supervised(tokenizer, monkeypatch, template):
+    if template:
+        monkeypatch.setattr(tokenizer._tokenizer, "chat_template", template)
+    messages = [{"role": "assistant", "content": "Hello! How can I help?"}, *turns(("2+2?", "4"))]
+    assert supervised(tokenizer, messages) == ["Hello! How can I help?<|im_end|>\n", "4<|im_end|>\n"]
+
+
+def test_end_of_turn_excludes_what_ends_the_conversation(tokenizer, monkeypatch):
+    """A Phi-3.5-style template appends EOS after the last turn: earlier turns still end with <|end|>."""
+    phi = ("{% for m in messages %}{{ '<|' + m.role + '|>\n' + m.content + '<|end|>\n' }}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+    monkeypatch.setattr(tokenizer._tokenizer, "chat_template", phi)
+    assert supervised(tokenizer, turns(("Hi", "Hello there"), ("Bye", "Goodbye now"))) == [
+        "Hello there<|end|>\n", "Goodbye now<|end|>\n<|im_end|>"]
+
+
 def test_shapes_and_masks(tmp_path, tokenizer):
     text = load_dataset(write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world"}]), tokenizer, 64)
     e = text.examples[0]
@@ -97,6 +144,8 @@ def test_truncation_and_skipping_are_counted(tmp_path, tokenizer, capsys):
         ('{"prompt": "p"}\n', "line 1: missing field 'completion'"),
         ('{"foo": 1}\n', "line 1: row has none of the fields"),
         ('{"messages": [{"role": "user"}]}\n', "line 1: messages[0] must be an object"),
+        ('{"text": "a\\ud800b"}\n', "line 1: field 'text' holds an unpaired surrogate"),
+        ('{"messages": [{"role": "user", "content": "\\udc00"}]}\n', "line 1: field 'messages[0].content' holds an unpaired"),
         ("\n\n", "holds no rows"),
         ('{"text": "a"}\n{"prompt": "p", "completion": "c"}\n', "rows mix shapes"),
     ],
@@ -120,6 +169,13 @@ def test_bad_data_is_reported_before_the_model_is_loaded(tmp_path, bad):
                                   "train": {"output_dir": str(tmp_path / "run")}})
     with pytest.raises(UserError, match=re.escape(f"{bad}.jsonl line 1: missing field 'completion'")):
         Trainer(config)
+
+
+def test_byte_order_mark_is_not_part_of_line_1(tmp_path, tokenizer):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"text": "hello"}\n')
+    check_file(path)
+    assert tokenizer.decode(load_dataset(path, tokenizer, 64).examples[0].ids.tolist()) == "hello<|im_end|>"
 
 
 def test_nothing_supervised_is_an_error(tmp_path, tokenizer):
@@ -162,3 +218,10 @@ def test_batches_have_bucketed_shapes():
     assert [rows[r].ids[t + 1] for r, t in zip(rows_of, t_of)] == b.targets[real].tolist()
     assert all(rows[r].mask[t + 1] for r, t in zip(rows_of, t_of))
     assert b.real_tokens == 4 + 16 + 8
+
+
+def test_capped_evaluation_takes_rows_of_every_length():
+    lengths = np.array([500, 12, 480, 15, 510, 9, 495, 11])
+    batches = epoch_batches(lengths, 2, 0, 0, shuffle=False, max_batches=2)
+    assert [b.tolist() for b in batches] == [[1, 3], [2, 0]]  # the file's first four rows, sorted by length
+    assert len(np.concatenate(epoch_batches(lengths, 2, 0, 0, shuffle=False))) == 8

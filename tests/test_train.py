@@ -3,6 +3,7 @@ loads what they wrote."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from mlx.utils import tree_flatten
 
 from mlxft import RunConfig, Trainer, fine_tune
 from mlxft.checkpoint import load_adapter_weights
+from mlxft.errors import UserError
 
 from conftest import write_jsonl
 
@@ -216,3 +218,72 @@ def test_queued_steps_report_what_synchronous_steps_report(llama_dir, chat_data,
     assert len({r["learning_rate"] for r in train_ahead}) > 3
     for name, value in weights_sync.items():
         np.testing.assert_array_equal(weights_ahead[name], value, err_msg=name)
+
+
+def resolve_cli(*args, config_path=None):
+    from mlxft import config as cfg
+    from mlxft.train import parser
+
+    return cfg.resolve(parser().parse_args(["--model", "m", "--data", "d", *args]), config_path)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--memory-limit", "inf"], "train.memory_limit: must be a finite number"),
+        (["--cache-limit", "inf"], "train.cache_limit: must be a finite number"),
+        (["--memory-limit", "1e30"], "train.memory_limit: must be 0 to"),
+        (["--clear-cache-above", "1e30"], "train.clear_cache_above: must be 0 to"),
+        (["--alpha", "inf"], "adapter.alpha: must be a finite number"),
+        (["--max-grad-norm", "nan"], "optim.max_grad_norm: must be a finite number"),
+        (["--optimizer", "sgd", "--momentum", "-1"], "optim.momentum: must be in [0, 1)"),
+        (["--optimizer", "sgd", "--momentum", "1"], "optim.momentum: must be in [0, 1)"),
+    ],
+)
+def test_out_of_range_floats_are_rejected(args, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        resolve_cli(*args)
+
+
+def test_yaml_numbers_pyyaml_reads_as_strings(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  learning_rate: 1e-4\n  min_learning_rate: 1e-6\n")
+    assert resolve_cli(config_path=path).optim.learning_rate == 1e-4
+    for bad, message in [("optim:\n  learning_rate: fast\n", "expected a number, got 'fast'"),
+                         ("optim:\n  learning_rate: inf\n", "must be a finite number"),
+                         ("train:\n  batch_size: '4'\n", "expected an integer, got '4'")]:
+        path.write_text(bad)
+        with pytest.raises(UserError, match=re.escape(message)):
+            resolve_cli(config_path=path)
+
+
+def test_config_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("# café\ntrain:\n  epochs: 2\n".encode("latin-1"))
+    with pytest.raises(UserError, match=re.escape(f"config file {path}: not UTF-8 text")):
+        resolve_cli(config_path=path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "abc"], "error: argument --batch-size: invalid int value: 'abc'"),
+    (["--quantize", "3"], "error: argument --quantize: invalid choice: 3"),
+])
+def test_argparse_errors_are_one_line(capsys, args, message):
+    from mlxft.train import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and err.startswith(message) and "--help" in err
+
+
+def test_train_file_without_model_is_not_the_default_job(tmp_path, capsys, monkeypatch):
+    import mlxft.trainer
+    from mlxft.train import main
+
+    monkeypatch.setattr(mlxft.trainer, "fine_tune", lambda config: pytest.fail("ran the default job"))
+    path = write_jsonl(tmp_path / "train.jsonl", [{"text": "a"}])
+    for flag in ("--train-file", "--valid-file"):
+        assert main([flag, str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert "default job" not in out and err == "error: config field model.model: no model given; pass --model DIR_OR_REPO\n"
