@@ -29,6 +29,9 @@ CONFIG_FILE = "config.yaml"
 STATE_FILE = "training_state.json"
 METRICS_FILE = "metrics.jsonl"
 FORMAT = "mlxft-adapter/1"
+# What save_pretrained writes for the tokenizers mlx-lm loads (which ones depends on the tokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -44,6 +47,30 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
+def _usual_mode(path, directory: bool = False) -> None:
+    """Give a mkstemp / mkdtemp result (0600 / 0700) the mode a plain open or mkdir would."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
+def save_safetensors(path, arrays: dict[str, mx.array], metadata: dict[str, str] | None = None) -> None:
+    """``mx.save_safetensors``, with a failed write raised as OSError as Python's own writes are.
+
+    MLX reports a full disk as RuntimeError("[write] Unable to write ..."); the arrays are
+    computed first, so a RuntimeError left (out of memory, say) is not mistaken for one.
+    """
+    mx.eval(arrays)
+    try:
+        mx.save_safetensors(str(path), arrays, **({"metadata": metadata} if metadata is not None else {}))
+    except RuntimeError as err:
+        raise OSError(str(err).splitlines()[0].rstrip(".")) from err
+
+
 def atomic_write(path: Path, write) -> None:
     """Call ``write(tmp_path)`` then rename ``tmp_path`` over ``path``.
 
@@ -57,6 +84,7 @@ def atomic_write(path: Path, write) -> None:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        _usual_mode(tmp)
         os.replace(tmp, path)
     except OSError as err:
         raise UserError(f"cannot write {path}: {err.strerror or err}; free disk space or choose another --output-dir") from err
@@ -101,7 +129,7 @@ def trainable_weights(model: nn.Module) -> dict[str, mx.array]:
 
 def save_adapters(path: Path, model: nn.Module, metadata: dict[str, str]) -> None:
     weights = trainable_weights(model)
-    atomic_write(path, lambda tmp: mx.save_safetensors(tmp, weights, metadata=metadata))
+    atomic_write(path, lambda tmp: save_safetensors(tmp, weights, metadata))
 
 
 def mlx_lm_adapter_config(metadata: dict[str, str]) -> dict:
@@ -145,17 +173,25 @@ def save_tokenizer(run_dir: Path, tokenizer) -> None:
     with tempfile.TemporaryDirectory(prefix=".tokenizer.", dir=run_dir) as tmp:
         try:
             hf.save_pretrained(tmp)
-            for path in Path(tmp).iterdir():
-                with open(path, "rb") as f:
+            written = {path.name for path in Path(tmp).iterdir()}
+            for name in written:
+                with open(Path(tmp) / name, "rb") as f:
                     os.fsync(f.fileno())
-                os.replace(path, run_dir / path.name)
+                os.replace(Path(tmp) / name, run_dir / name)
+            for name in set(TOKENIZER_FILES) - written:  # another tokenizer's, e.g. a stale chat template
+                if (run_dir / name).is_file():
+                    (run_dir / name).unlink()
         except OSError as err:
             raise UserError(f"cannot write the tokenizer into {run_dir}: {err.strerror or err}") from err
 
 
 def append_metrics(run_dir: Path, record: dict) -> None:
-    with open(Path(run_dir) / METRICS_FILE, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    path = Path(run_dir) / METRICS_FILE
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as err:
+        raise UserError(f"cannot write {path}: {err.strerror or err}; free disk space or choose another --output-dir") from err
 
 
 def load_adapter_weights(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
@@ -206,11 +242,11 @@ def checkpoint_name(step: int, kind: str = "step") -> str:
 
 
 def _write_checkpoint_files(directory: Path, model, metadata, optimizer_state, window, trainer_state, config) -> None:
-    mx.save_safetensors(str(directory / ADAPTER_FILE), trainable_weights(model), metadata=metadata)
+    save_safetensors(directory / ADAPTER_FILE, trainable_weights(model), metadata)
     (directory / ADAPTER_CONFIG).write_text(json.dumps(mlx_lm_adapter_config(metadata), indent=2))
-    mx.save_safetensors(str(directory / OPTIMIZER_FILE), optimizer_state)
+    save_safetensors(directory / OPTIMIZER_FILE, optimizer_state)
     if window:
-        mx.save_safetensors(str(directory / WINDOW_FILE), window)
+        save_safetensors(directory / WINDOW_FILE, window)
     (directory / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
     (directory / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
     for path in directory.iterdir():
@@ -223,14 +259,22 @@ def replace_directory(new: Path, final: Path) -> None:
 
     rename() cannot replace a non-empty directory, so an old ``final`` is first moved aside
     (one rename) and deleted after the new one is in place: readers see the old or the new.
+    If the swap fails half-way (an I/O error, a signal), the old one is put back.
     """
-    old = None
+    aside = None
     if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
-        os.replace(final, old / final.name)
-    os.replace(new, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        aside = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
+    try:
+        if aside is not None:
+            os.replace(final, aside / final.name)
+        os.replace(new, final)
+    except BaseException:
+        if aside is not None and not final.exists() and (aside / final.name).exists():
+            os.replace(aside / final.name, final)
+        raise
+    finally:
+        if aside is not None and final.exists():  # else the put-back failed: keep the old one hidden, not lost
+            shutil.rmtree(aside, ignore_errors=True)
     _fsync_dir(final.parent)
 
 
@@ -242,6 +286,7 @@ def save_checkpoint(run_dir: Path, name: str, model, metadata: dict, optimizer_s
     final = run_dir / name
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=run_dir))
     try:
+        _usual_mode(tmp, directory=True)
         _write_checkpoint_files(tmp, model, metadata, optimizer_state, window, trainer_state, config)
         replace_directory(tmp, final)  # re-saving a step (e.g. final after a resume) swaps
         link = run_dir / f".{LATEST}.{os.getpid()}.tmp"
@@ -258,17 +303,54 @@ def save_checkpoint(run_dir: Path, name: str, model, metadata: dict, optimizer_s
     return final
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` periodic checkpoints; final and emergency stay."""
+def _checkpoint_state(path: Path) -> dict | None:
+    """The trainer state of an mlxft checkpoint directory; None for anything else."""
+    if path.is_symlink() or not path.is_dir():
+        return None
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and all(k in state for k in ("step", "batch_index", "total_steps")) else None
+
+
+def prune_checkpoints(run_dir: Path, keep: int, run_id: str) -> list[Path]:
+    """Delete all but the newest ``keep`` periodic checkpoints of run ``run_id``; final,
+    emergency and every directory another run (or anything but mlxft) wrote stay."""
     if keep <= 0:
         return []
-    found = sorted((int(m.group(1)), p) for p in Path(run_dir).iterdir() if (m := _STEP_CHECKPOINT.match(p.name)) and p.is_dir())
+    found = sorted((int(m.group(1)), p) for p in Path(run_dir).iterdir()
+                   if (m := _STEP_CHECKPOINT.match(p.name)) and (_checkpoint_state(p) or {}).get("run_id") == run_id)
     doomed = [p for _, p in found[:-keep]]
     latest = (Path(run_dir) / LATEST).resolve()
     for path in doomed:
         if path.resolve() != latest:
             shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+_ANY_CHECKPOINT = re.compile(r"^(checkpoint-\d+(-emergency)?|final)$")
+
+
+def remove_checkpoints(run_dir: Path) -> list[Path]:
+    """Delete an earlier run's checkpoints and its ``latest`` link (for --overwrite), and
+    nothing that is not an mlxft checkpoint."""
+    run_dir = Path(run_dir)
+    doomed = [p for p in run_dir.iterdir() if _ANY_CHECKPOINT.match(p.name) and _checkpoint_state(p) is not None]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    if (run_dir / LATEST).is_symlink():
+        (run_dir / LATEST).unlink()
+    return doomed
+
+
+def first_output_in(run_dir: Path) -> str | None:
+    """The name of the first thing in ``run_dir`` that a run writes over, if any."""
+    names = (ADAPTER_FILE, ADAPTER_CONFIG, CONFIG_FILE, STATE_FILE, METRICS_FILE, LATEST) + TOKENIZER_FILES
+    for path in sorted(Path(run_dir).iterdir()):
+        if path.name in names or _ANY_CHECKPOINT.match(path.name):
+            return path.name
+    return None
 
 
 def resolve_checkpoint(spec: str, run_dir: Path) -> Path:
@@ -289,6 +371,16 @@ def _read_safetensors(path: Path) -> dict[str, mx.array]:
         raise UserError(f"{path} is not a readable safetensors file ({str(err).splitlines()[0]}); it may be truncated") from err
 
 
+# What a resume reads from a checkpoint's trainer_state.json and config.yaml.
+STATE_KEYS = ("step", "epoch", "batch_index", "window_real_tokens", "skipped_steps", "nonfinite_streak",
+              "best_val_loss", "last_val_loss", "loss_scaler")
+CONFIG_SECTIONS = ("model", "data", "adapter", "optim", "train")
+
+
+def _damaged(path: Path, what: str) -> UserError:
+    return UserError(f"{path} {what}; the checkpoint is damaged: resume from an earlier one")
+
+
 def load_checkpoint(path: Path) -> dict:
     """Everything a checkpoint holds: state, config, adapter weights, optimizer, window."""
     path = Path(path)
@@ -297,6 +389,15 @@ def load_checkpoint(path: Path) -> dict:
         config = yaml.safe_load((path / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError, yaml.YAMLError) as err:
         raise UserError(f"checkpoint {path} is unreadable ({err}); resume from an earlier checkpoint") from err
+    if not isinstance(state, dict):
+        raise _damaged(path / TRAINER_STATE, "is not a JSON object")
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        raise _damaged(path / TRAINER_STATE, f"has no {missing[0]!r}")
+    if not (isinstance(state["loss_scaler"], dict) and {"scale", "good_steps"} <= set(state["loss_scaler"])):
+        raise _damaged(path / TRAINER_STATE, "has no valid 'loss_scaler'")
+    if not (isinstance(config, dict) and all(isinstance(config.get(s), dict) for s in CONFIG_SECTIONS)):
+        raise _damaged(path / CONFIG_FILE, f"is not a run config (sections {', '.join(CONFIG_SECTIONS)})")
     window_path = path / WINDOW_FILE
     return {
         "state": state,
@@ -309,7 +410,8 @@ def load_checkpoint(path: Path) -> dict:
 
 # Settings a resumed run must share with its checkpoint. Shape-defining ones can never
 # differ; the rest change the run's meaning but not its tensors, so --force may override.
-RESUME_FIXED = ("adapter.finetune", "adapter.targets", "adapter.rank", "adapter.num_layers", "model.quantize")
+RESUME_FIXED = ("adapter.finetune", "adapter.targets", "adapter.rank", "adapter.num_layers", "model.quantize",
+                "optim.optimizer")  # another optimizer's moments are not this one's
 RESUME_FORCEABLE = ("model.model", "data.max_seq_length", "adapter.alpha", "adapter.dropout", "train.seed",
                     "train.batch_size", "train.grad_accum_steps")
 

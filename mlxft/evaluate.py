@@ -75,9 +75,7 @@ def evaluate(model, tokenizer, path, *, batch_size: int = 4, max_seq_length: int
     dataset = data.load_dataset(path, tokenizer, max_seq_length, completion_only, prompt_format)
     model.eval()
     loss_sum, tokens = mx.array(0.0), mx.array(0.0)
-    for i, indices in enumerate(data.epoch_batches(dataset.lengths, batch_size, 0, 0, shuffle=False)):
-        if max_batches and i >= max_batches:
-            break
+    for indices in data.epoch_batches(dataset.lengths, batch_size, 0, 0, shuffle=False, max_batches=max_batches):
         batch = data.make_batch([dataset.examples[j] for j in indices], batch_size, bucket)
         loss, ntokens = loss_fn(model, *batch.arrays())
         loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens

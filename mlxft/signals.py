@@ -6,6 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from contextlib import contextmanager
+
+
+class Interrupted(Exception):
+    """A stop request cut short a block run under :meth:`StopRequests.interrupting`."""
 
 
 class StopRequests:
@@ -16,6 +21,7 @@ class StopRequests:
     def __init__(self):
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._interrupt = False
 
     @property
     def requested(self) -> bool:
@@ -29,6 +35,25 @@ class StopRequests:
         if self.signum is not None:
             os._exit(128 + signum)  # a second signal: the user wants out now
         self.signum = signum
+        if self._interrupt:
+            self._interrupt = False
+            raise Interrupted(self.name)
+
+    @contextmanager
+    def interrupting(self, enabled: bool = True):
+        """Let a stop request (made already or arriving inside) end the block with
+        :class:`Interrupted`: for work whose result is not worth waiting for, such as the
+        validation before the final save. Elsewhere a request waits for the loop to see it."""
+        if not enabled:
+            yield
+            return
+        if self.requested:
+            raise Interrupted(self.name)
+        self._interrupt = True
+        try:
+            yield
+        finally:
+            self._interrupt = False
 
     def __enter__(self) -> "StopRequests":
         if threading.current_thread() is threading.main_thread():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+import uuid
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -27,7 +28,7 @@ from mlxft.errors import UserError
 from mlxft.loss import cross_entropy, hidden_loss, loss_fn
 from mlxft.optim import build_optimizer
 from mlxft.report import Reporter
-from mlxft.signals import StopRequests
+from mlxft.signals import Interrupted, StopRequests
 from mlxft.step import LossScaler, build_step, gradient_tree, gradient_window, optimizer_state
 
 
@@ -63,14 +64,21 @@ class TrainingStopped(Exception):
         self.checkpoint = checkpoint
 
 
-def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = None) -> None:
-    """Refuse to mix two runs in one directory unless asked to (resuming continues one)."""
-    holds_run = any((run_dir / name).exists() for name in (checkpoint.STATE_FILE, checkpoint.ADAPTER_FILE, checkpoint.LATEST))
-    continuing = resume_from is not None and resume_from.parent == run_dir.resolve()
-    if holds_run and not overwrite and not continuing:
-        raise UserError(f"output directory {run_dir} already holds a run; choose another --output-dir or pass --overwrite")
+def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = None, main: bool = True) -> None:
+    """Refuse to mix two runs in one directory, or to replace files a run did not write, unless
+    asked to (resuming continues a run). Only rank 0 (``main``) looks for the files a run writes:
+    another rank sharing the directory may already see the metrics.jsonl rank 0 started."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"output path {run_dir} is a file; choose a directory for --output-dir")
+    continuing = resume_from is not None and resume_from.parent == run_dir.resolve()
+    if overwrite or continuing or not run_dir.exists():
+        return
+    if any((run_dir / name).exists() for name in (checkpoint.STATE_FILE, checkpoint.ADAPTER_FILE, checkpoint.LATEST)):
+        raise UserError(f"output directory {run_dir} already holds a run; choose another --output-dir or pass --overwrite")
+    clash = checkpoint.first_output_in(run_dir) if main else None
+    if clash:
+        raise UserError(f"output directory {run_dir} holds {clash}, which a run would overwrite; "
+                        "choose another --output-dir or pass --overwrite")
 
 
 class Trainer:
@@ -97,7 +105,7 @@ class Trainer:
                             f"{self.world.size} ranks; use a multiple of {self.world.size}")
         self.run_dir = Path(t.output_dir)
         resume_from = checkpoint.resolve_checkpoint(t.resume, self.run_dir) if t.resume else None
-        check_output_dir(self.run_dir, t.overwrite, resume_from)
+        check_output_dir(self.run_dir, t.overwrite, resume_from, self.world.is_main)
         if datasets is None:
             self.train_file, self.valid_file = data.resolve_files(
                 builtin.resolve(config.data.data), config.data.train_file, config.data.valid_file)
@@ -150,6 +158,9 @@ class Trainer:
         self.best_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.stop = StopRequests()
+        # Marks this run's checkpoints, so pruning never deletes another run's (or a user's) directories.
+        self.run_id = uuid.uuid4().hex
+        self.tokenizer_saved = False
         forced = self._restore(resume_from) if resume_from else []
         self.step = build_step(model, self.optimizer, partial(loss_fn, label_smoothing=config.optim.label_smoothing,
                                                                   chunk=config.model.loss_chunk),
@@ -161,7 +172,9 @@ class Trainer:
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if resume_from is None:
-                (self.run_dir / checkpoint.METRICS_FILE).write_text("")
+                if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
+                    checkpoint.remove_checkpoints(self.run_dir)
+                checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
         self._describe()
         if resume_from:
@@ -258,10 +271,15 @@ class Trainer:
                 if self.batch_index >= len(batches):
                     self.epoch, self.batch_index = self.epoch + 1, 0
             self._drain()
-        if self.valid_set is not None and not self._evaluates_after(self.step_count):
-            self._evaluate()
-        self.save()
-        self.save_checkpoint("final")
+            if self.valid_set is not None and not self._evaluates_after(self.step_count):
+                self._evaluate()
+            stopped = self.world.any(self.stop.requested)  # agreed first: no rank waits in it while rank 0 saves
+            self.save()
+            path = self.save_checkpoint("final")
+            if stopped or self.stop.requested:
+                self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
+                raise TrainingStopped(f"stopped by {self.stop.name} after the last step ({self.step_count}); saved {path}",
+                                      128 + self.stop.signum, path)
         result = TrainResult(self.run_dir, self.step_count, self.reporter.last_train_loss, self.last_val_loss,
                              self.skipped_steps, main_process=self.world.is_main)
         if before is not None:
@@ -384,7 +402,7 @@ class Trainer:
             self.save()
             self.save_checkpoint("step")
             if self.world.is_main:
-                checkpoint.prune_checkpoints(self.run_dir, t.keep_checkpoints)
+                checkpoint.prune_checkpoints(self.run_dir, t.keep_checkpoints, self.run_id)
             self.reporter.pause_clock(time.perf_counter() - tic)
 
     @property
@@ -397,9 +415,8 @@ class Trainer:
         t = self.config.train
         self.model.eval()
         loss_sum, tokens = mx.array(0.0), mx.array(0.0)
-        for i, indices in enumerate(data.epoch_batches(dataset.lengths, t.batch_size, 0, 0, shuffle=False)):
-            if t.max_eval_batches and i >= t.max_eval_batches:
-                break
+        for indices in data.epoch_batches(dataset.lengths, t.batch_size, 0, 0, shuffle=False,
+                                          max_batches=t.max_eval_batches):
             loss, ntokens = loss_fn(self.model, *self.batch(dataset, indices).arrays())
             loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
             mx.eval(loss_sum, tokens)
@@ -410,7 +427,15 @@ class Trainer:
 
     def _evaluate(self) -> None:
         tic = time.perf_counter()
-        loss, tokens = self.evaluate()
+        # A stop request cuts the last validation short: only the save is left, which matters more.
+        # Not with several ranks, which sum their losses at the end and so must finish together.
+        try:
+            with self.stop.interrupting(self.step_count >= self.total_steps and self.world.size == 1):
+                loss, tokens = self.evaluate()
+        except Interrupted:
+            self.model.train()
+            self.reporter.info(f"{self.stop.name}: skipped the rest of the final validation to save the run")
+            return
         self.last_val_loss = loss
         if self.best_val_loss is None or loss < self.best_val_loss:
             self.best_val_loss = loss
@@ -451,6 +476,7 @@ class Trainer:
             "nonfinite_streak": self.nonfinite_streak,
             "last_val_loss": self.last_val_loss,
             "loss_scaler": self.scaler.state(),
+            "run_id": self.run_id,
         }
 
     def save_checkpoint(self, kind: str) -> Path:
@@ -491,13 +517,15 @@ class Trainer:
         self.skipped_steps, self.nonfinite_streak = state["skipped_steps"], state["nonfinite_streak"]
         self.best_val_loss, self.last_val_loss = state["best_val_loss"], state["last_val_loss"]
         self.scaler.load(state["loss_scaler"])
+        self.run_id = state.get("run_id") or self.run_id  # older checkpoints have none: theirs are never pruned
         return forced
 
     def save(self) -> None:
         if not self.world.is_main:
             return
-        if self.tokenizer is not None and not (self.run_dir / "tokenizer_config.json").exists():
+        if self.tokenizer is not None and not self.tokenizer_saved:  # files already there may be another model's
             checkpoint.save_tokenizer(self.run_dir, self.tokenizer)
+            self.tokenizer_saved = True
         checkpoint.save_run(self.run_dir, self.model, self.adapter_metadata(), self.config.to_dict(), self.training_state())
         self.reporter.info(f"saved {self.run_dir} at step {self.step_count}")
 

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxft import RunConfig, Trainer, checkpoint
 from mlxft.errors import UserError
 from mlxft.step import LossScaler
-from mlxft.trainer import TrainingStopped
+from mlxft.trainer import TrainingStopped, check_output_dir
 
 from conftest import CHAT_ROWS, write_jsonl
 
@@ -45,6 +46,20 @@ def uninterrupted(llama_dir, tmp_path_factory):
     trainer = Trainer(config(llama_dir, data, tmp_path_factory.mktemp("full") / "run"))
     trainer.train()
     return data, weights(trainer.model), trainer.optimizer.state["step"].item()
+
+
+def tiny_checkpoint(run_dir, name="checkpoint-2", run_id="run-a", step=2):
+    """A real checkpoint directory of a two-parameter model: for tests of the files alone."""
+    state = {"step": step, "epoch": 0, "batch_index": 0, "total_steps": 9, "window_real_tokens": 0, "skipped_steps": 0,
+             "nonfinite_streak": 0, "best_val_loss": None, "last_val_loss": None,
+             "loss_scaler": {"enabled": False, "scale": 1.0, "good_steps": 0}, "run_id": run_id}
+    meta = checkpoint.adapter_metadata("lora", 8, 16.0, 0.0, ["*"], 1, "llama")
+    return checkpoint.save_checkpoint(run_dir, name, nn.Linear(2, 2), meta, {"step": mx.array(step)}, None, state,
+                                      RunConfig().to_dict())
+
+
+def files(directory):
+    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
 
 
 def stop_after(trainer, micro_batches):
@@ -75,6 +90,7 @@ def test_interrupt_and_resume_equals_uninterrupted(llama_dir, uninterrupted, tmp
 
     resumed = Trainer(config(llama_dir, data, out, resume="latest"))
     assert resumed.step_count == first.step_count and resumed.batch_index == first.batch_index % 6
+    assert resumed.run_id == first.run_id  # so its pruning counts the first part's checkpoints
     resumed.train()
     assert resumed.optimizer.state["step"].item() == expected_steps
     got = weights(resumed.model)
@@ -99,12 +115,143 @@ def test_resume_refuses_other_settings(llama_dir, uninterrupted, tmp_path):
     assert Trainer(longer).step_count == 2
 
 
-def test_retention_keeps_the_newest_and_never_final_or_emergency(tmp_path):
-    for name in ("checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8", "checkpoint-3-emergency", "final"):
-        (tmp_path / name).mkdir()
-    os.symlink("checkpoint-8", tmp_path / "latest")
-    checkpoint.prune_checkpoints(tmp_path, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3-emergency", "checkpoint-6", "checkpoint-8", "final", "latest"]
+def test_retention_keeps_the_newest_and_never_final_emergency_or_others(tmp_path):
+    for step in (2, 4, 6, 8):
+        tiny_checkpoint(tmp_path, f"checkpoint-{step}", step=step)
+    tiny_checkpoint(tmp_path, "checkpoint-3-emergency", step=3)
+    tiny_checkpoint(tmp_path, "final", step=9)
+    tiny_checkpoint(tmp_path, "checkpoint-1", run_id="run-b", step=1)  # an earlier run's
+    (tmp_path / "checkpoint-5").mkdir()  # a user's own, not mlxft's
+    (tmp_path / "checkpoint-5" / "notes.txt").write_text("mine")
+    (tmp_path / "latest").unlink()
+    os.symlink("checkpoint-4", tmp_path / "latest")  # e.g. resumed from there: never pruned
+    checkpoint.prune_checkpoints(tmp_path, keep=2, run_id="run-a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-3-emergency", "checkpoint-4", "checkpoint-5",
+                                                         "checkpoint-6", "checkpoint-8", "final", "latest"]
+
+
+def test_overwrite_replaces_only_the_old_runs_checkpoints_and_tokenizer(llama_dir, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("checkpoint-8", "checkpoint-9-emergency", "final"):
+        tiny_checkpoint(out, name, run_id="old")
+    (out / "checkpoint-7").mkdir()  # a user's own, not mlxft's
+    (out / "checkpoint-7" / "notes.txt").write_text("mine")
+    (out / "tokenizer_config.json").write_text('{"chat_template": "OLD MODEL"}')
+    (out / "special_tokens_map.json").write_text("{}")  # the old tokenizer's; this one writes none
+    trainer = Trainer(config(llama_dir, uninterrupted[0], out, overwrite=True, max_steps=3, save_every=1,
+                             keep_checkpoints=1, grad_accum_steps=1))
+    trainer.train()
+    assert sorted(p.name for p in out.iterdir() if p.is_dir() and not p.is_symlink()) == ["checkpoint-2", "checkpoint-7", "final"]
+    assert (out / "checkpoint-7" / "notes.txt").read_text() == "mine"
+    assert (out / "latest").resolve() == (out / "final").resolve()
+    assert json.loads((out / "final" / "trainer_state.json").read_text())["run_id"] == trainer.run_id
+    assert "OLD MODEL" not in (out / "tokenizer_config.json").read_text()
+    assert not (out / "special_tokens_map.json").exists()
+
+
+def test_output_dir_with_files_a_run_writes_is_refused_unless_overwrite(tmp_path):
+    check_output_dir(tmp_path / "new", overwrite=False)
+    (tmp_path / "notes.txt").write_text("mine")
+    check_output_dir(tmp_path, overwrite=False)
+    for name in ("metrics.jsonl", "config.yaml", "checkpoint-1"):
+        (tmp_path / name).write_text("mine")
+        with pytest.raises(UserError, match=f"holds {name}, which a run would overwrite; choose another --output-dir"):
+            check_output_dir(tmp_path, overwrite=False)
+        check_output_dir(tmp_path, overwrite=True)
+        (tmp_path / name).unlink()
+
+
+def test_a_failed_swap_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
+    tiny_checkpoint(tmp_path, "final", step=2)
+    before = files(tmp_path)
+    real_replace, calls = os.replace, []
+
+    def second_rename_fails(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the new directory into place, after the old one was moved aside
+            raise OSError(errno.EIO, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", second_rename_fails)
+    with pytest.raises(UserError, match="Input/output error"):
+        tiny_checkpoint(tmp_path, "final", step=3)
+    monkeypatch.undo()
+    assert files(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["final", "latest"]
+    assert checkpoint.resolve_checkpoint("latest", tmp_path) == (tmp_path / "final").resolve()
+
+
+def test_mlx_write_failure_is_a_one_line_error_and_changes_nothing(tmp_path, monkeypatch):
+    tiny_checkpoint(tmp_path, "checkpoint-2")
+    before = files(tmp_path)
+
+    def disk_full(*args, **kwargs):  # what MLX raises on a full disk
+        raise RuntimeError("[write] Unable to write 4096 bytes to file.")
+
+    monkeypatch.setattr(mx, "save_safetensors", disk_full)
+    for save in (lambda: tiny_checkpoint(tmp_path, "checkpoint-2"), lambda: tiny_checkpoint(tmp_path, "checkpoint-4"),
+                 lambda: checkpoint.save_adapters(tmp_path / "adapters.safetensors", nn.Linear(2, 2), {})):
+        with pytest.raises(UserError, match=r"Unable to write 4096 bytes to file; free disk space"):
+            save()
+    assert files(tmp_path) == before and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_run_files_and_checkpoints_get_the_umask_modes(tmp_path):
+    umask = os.umask(0o027)
+    try:
+        checkpoint.write_text(tmp_path / "config.yaml", "x")
+        saved = tiny_checkpoint(tmp_path)
+    finally:
+        os.umask(umask)
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    assert (mode(tmp_path / "config.yaml"), mode(saved), mode(saved / "adapters.safetensors")) == (0o640, 0o750, 0o640)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("config.yaml", "", r"config.yaml is not a run config"),
+    ("config.yaml", "model: 3\n", r"config.yaml is not a run config"),
+    ("trainer_state.json", "null", r"trainer_state.json is not a JSON object"),
+    ("trainer_state.json", '{"step": 2}', r"trainer_state.json has no 'epoch'"),
+])
+def test_a_damaged_checkpoint_state_is_a_one_line_error(tmp_path, name, content, message):
+    path = tiny_checkpoint(tmp_path)
+    checkpoint.load_checkpoint(path)
+    (path / name).write_text(content)
+    with pytest.raises(UserError, match=message + ".*resume from an earlier one"):
+        checkpoint.load_checkpoint(path)
+
+
+def test_resume_refuses_another_optimizer_even_with_force():
+    saved, current = RunConfig().to_dict(), RunConfig().to_dict()
+    saved["optim"]["optimizer"], current["optim"]["optimizer"] = "sgd", "adamw"
+    with pytest.raises(UserError, match=r"optim.optimizer is 'adamw' but the checkpoint was trained with 'sgd'$"):
+        checkpoint.check_resume(saved, current, "chat", "chat", force=True)
+
+
+def test_a_signal_during_the_final_validation_still_saves_the_run(llama_dir, tmp_path):
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", CHAT_ROWS[:4])
+    write_jsonl(data / "valid.jsonl", CHAT_ROWS[:6])  # three validation batches
+    out = tmp_path / "run"
+    trainer = Trainer(config(llama_dir, data, out, max_steps=2, save_every=0, grad_accum_steps=1, memory_estimate=False))
+    original, final_batches = trainer.batch, []
+
+    def batch(dataset, indices):
+        if dataset is trainer.valid_set and trainer.step_count == trainer.total_steps:
+            final_batches.append(indices)
+            if len(final_batches) == 2:
+                handler = signal.getsignal(signal.SIGTERM)
+                assert handler == trainer.stop._handle, "SIGTERM is not handled during the final validation"
+                handler(signal.SIGTERM, None)  # as the signal would, in the main thread
+        return original(dataset, indices)
+
+    trainer.batch = batch
+    with pytest.raises(TrainingStopped, match="stopped by SIGTERM") as stopped:
+        trainer.train()
+    assert stopped.value.exit_code == 128 + signal.SIGTERM and stopped.value.checkpoint == out / "final"
+    assert len(final_batches) == 2  # the rest of the validation was skipped
+    assert json.loads((out / "final" / "trainer_state.json").read_text())["step"] == 2
+    assert json.loads((out / "training_state.json").read_text())["step"] == 2
 
 
 @pytest.mark.parametrize("accum, save_every, limit, saved_at", [
