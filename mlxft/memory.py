@@ -164,9 +164,12 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
     ``supervised`` supervised positions. ``loss_of_hidden`` maps the ``[supervised, D]`` final
     hidden states to the scalar objective (output head included)."""
     trainable = _nbytes(model.trainable_parameters())
-    # Parameters, their gradient, the optimizer's (initialised) state, and the open window's
-    # gradient sum when accumulating.
-    state = trainable * (2 + int(window)) + _nbytes(optimizer_state)
+    # Half-precision trainables' gradients are summed in float32 (mlxft.step).
+    working = sum(v.size * (4 if v.dtype in (mx.float16, mx.bfloat16) else v.itemsize)
+                  for _, v in tree_flatten(model.trainable_parameters()))
+    # Parameters, their gradient, the optimizer's (initialised) state, masters included, and the
+    # open window's gradient sum when accumulating.
+    state = trainable + working * (1 + int(window)) + _nbytes(optimizer_state)
     weights = _nbytes(model.parameters()) - trainable
     layers = list(model.layers)
     dim = model.args.hidden_size

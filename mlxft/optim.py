@@ -1,8 +1,12 @@
 """Optimizers from ``mlx.optimizers`` and the learning-rate schedule they follow.
 
-Step k (1-based) of training uses ``learning_rate_at(k)``: a linear warmup to the peak over
-``warmup_steps`` steps, then constant, linear or cosine decay reaching ``min_learning_rate``
-at the last step.
+Step k (1-based) of T uses ``learning_rate_at(k)``. With W warmup steps, steps 1..W warm up
+linearly, step k at ``peak * k / W``, so step W uses the peak. Steps W+1..T then decay over
+``progress = (k - W - 1) / (T - W)``: the constant schedule keeps the peak, the linear one uses
+``peak + (min - peak) * progress`` and the cosine one
+``min + (peak - min) * (1 + cos(pi * progress)) / 2``, where ``min`` is ``min_learning_rate``.
+Step W+1 thus uses the peak and step T stays one decay step above ``min`` (which step T+1 would
+reach), so every step trains, even the only step of a one-step run.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ def learning_rate_at(step, config: OptimConfig, total_steps: int):
     if config.schedule == "constant":
         return warm
     span = max(total_steps - warmup, 1)
-    progress = minimum(maximum(step - warmup, 0.0) / span, 1.0)
+    # 0-based over the decay steps: the first uses the peak, the last stays above the floor.
+    progress = minimum(maximum(step - warmup - 1, 0.0) / span, 1.0)
     if config.schedule == "linear":
         decayed = peak + (floor - peak) * progress
     else:

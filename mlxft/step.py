@@ -7,6 +7,15 @@ over-weights short batches). The update clips the global norm and is discarded, 
 weights and optimizer moments untouched, when that norm is not finite. Adapters' many small
 tensors go through that update as one vector (:class:`FlatTrainables`).
 
+Trainable parameters stored in half precision (bfloat16 or float16: full fine-tuning of a
+half-precision model) keep float32 master copies in the optimizer state (under
+:data:`MASTER_KEY`, so checkpoints save and restore them), with float32 moments and float32
+window gradient sums; the update applies to the master and the model gets it rounded back
+to its own dtype (a bf16 model stays bf16). Updated in half precision, small steps round
+away (a bf16 weight of 0.02 moves in steps of 1.2e-4, so Adam at lr 1e-5 changes nothing),
+bf16 moments barely decay (0.999 rounds to 1) and float16's epsilon rounds to 0. Float32
+trainables (LoRA adapters, a float32 model) have no masters and train as themselves.
+
 The step is one function compiled once over the explicit state ``[model.state,
 optimizer.state, mx.random.state]``; its Python-level switches (first micro-batch of a
 window, last micro-batch) select among a few traced variants per batch shape.
@@ -22,9 +31,53 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 _SCHEDULE_KEYS = ("step", "learning_rate")
+
+
+MASTER_KEY = "_master_weights"  # the optimizer state entry of half-precision trainables' float32 masters
+_HALF = (mx.float16, mx.bfloat16)
+
+
+def _working_dtype(dtype):
+    """The dtype a parameter's gradient sum, update and optimizer moments use."""
+    return mx.float32 if dtype in _HALF else dtype
+
+
+def _widen(x):
+    return x.astype(_working_dtype(x.dtype)) if isinstance(x, mx.array) else x
+
+
+def _synced(master: mx.array, param: mx.array) -> mx.array:
+    """The master, or the parameter itself where the two disagree (weights replaced behind the
+    step's back: a user's load). After every update the parameter is the master rounded."""
+    return mx.where(master.astype(param.dtype) == param, master, param.astype(mx.float32))
+
+
+def _init_masters(optimizer: optim.Optimizer, params, layout) -> None:
+    """Give half-precision trainables float32 masters (keeping restored ones that fit) and
+    float32 optimizer state, in place."""
+    state = optimizer.state
+    restored = state.pop(MASTER_KEY, None)
+    if layout is not None:
+        flat = layout.flatten(params)
+        if flat.dtype in _HALF:
+            fits = isinstance(restored, mx.array) and restored.shape == flat.shape
+            state[MASTER_KEY] = restored.astype(mx.float32) if fits else flat.astype(mx.float32)
+        if FlatTrainables.KEY in state:
+            state[FlatTrainables.KEY] = tree_map(_widen, state[FlatTrainables.KEY])
+        return
+    half = [(name, p) for name, p in tree_flatten(params) if p.dtype in _HALF]
+    if not half:
+        return
+    restored = dict(tree_flatten(restored)) if isinstance(restored, (dict, list)) else {}
+    state[MASTER_KEY] = tree_unflatten([
+        (name, restored[name].astype(mx.float32) if name in restored and restored[name].shape == p.shape
+         else p.astype(mx.float32)) for name, p in half])
+    # Moments a caller initialised (or an older checkpoint saved) in half precision.
+    for key in [k for k in state if k not in _SCHEDULE_KEYS and k != MASTER_KEY]:
+        state[key] = tree_map(_widen, state[key])
 
 
 @dataclass
@@ -81,7 +134,14 @@ class FlatTrainables:
 
     def adopt_state(self, optimizer: optim.Optimizer) -> None:
         """Move per-parameter optimizer state (a restored checkpoint's) into flat moments, in place."""
-        per_param = {k: v for k, v in optimizer.state.items() if k not in _SCHEDULE_KEYS and k != self.KEY}
+        per_param = {k: v for k, v in optimizer.state.items() if k not in _SCHEDULE_KEYS + (self.KEY, MASTER_KEY)}
+        master = optimizer.state.get(MASTER_KEY)
+        if isinstance(master, (dict, list)):  # per parameter: laid end to end like the parameters
+            names = dict(tree_flatten(master))
+            if all(name in names for name in self.names):
+                optimizer.state[MASTER_KEY] = self.flatten(master)
+            else:
+                del optimizer.state[MASTER_KEY]
         moments = dict(tree_flatten(per_param))
         keys = sorted({name[len(self.names[0]) + 1:] for name in moments if name.startswith(self.names[0] + ".")})
         for key in per_param:
@@ -96,6 +156,8 @@ class FlatTrainables:
         moments = {k: self.views(v) for k, v in flat.items()}
         tree = {k: v for k, v in optimizer.state.items() if k in _SCHEDULE_KEYS}
         tree.update(tree_map_with_path(lambda path, _: {k: moments[k][path] for k in moments}, self.template))
+        if MASTER_KEY in optimizer.state:
+            tree[MASTER_KEY] = self.unflatten(optimizer.state[MASTER_KEY])
         return tree
 
 
@@ -112,55 +174,77 @@ def build_step(
     ``loss(model, *batch) -> (mean_loss, ntokens)``. ``window`` carries the running
     ``(grad_sum, loss_sum, tokens)`` between micro-batches (None starts a new one);
     ``update=True`` ends the window and applies the optimizer. ``loss_scale`` (an array)
-    multiplies the loss before differentiation and divides the gradients after, so float16
-    gradients do not underflow (see :class:`LossScaler`). ``reduce`` sums a tree across
-    data-parallel ranks (identity when training on one process). ``flat`` lays the trainable
+    multiplies each micro-batch's mean loss before differentiation and divides its gradients
+    after, so float16 gradients do not underflow (see :class:`LossScaler`); the window's
+    gradient sum is unscaled. ``reduce`` sums a tree across data-parallel ranks (identity
+    when training on one process). ``flat`` lays the trainable
     parameters end to end for the update (default: when :meth:`FlatTrainables.suits`); the
     window's gradient sum is then one vector. ``step.layout`` is that layout (None per tensor),
     for :func:`gradient_tree`, :func:`gradient_window` and :func:`optimizer_state`.
     """
-    layout = FlatTrainables(model.trainable_parameters()) if (FlatTrainables.suits(model) if flat is None else flat) else None
+    params = model.trainable_parameters()
+    layout = FlatTrainables(params) if (FlatTrainables.suits(model) if flat is None else flat) else None
     if layout is not None:
         layout.adopt_state(optimizer)
-        optimizer.init({FlatTrainables.KEY: layout.flatten(model.trainable_parameters())})
+        optimizer.init({FlatTrainables.KEY: _widen(layout.flatten(params))})
     else:
-        optimizer.init(model.trainable_parameters())
+        optimizer.init(tree_map(_widen, params))
+    _init_masters(optimizer, params, layout)
 
     def summed(model, *batch_and_scale):
         *batch, loss_scale = batch_and_scale
         mean, ntokens = loss(model, *batch)
-        # The reported sum is unscaled; only the differentiated value carries the scale.
-        scaled = mean * ntokens * loss_scale
-        return scaled, (mean * ntokens, ntokens)
+        # The scale multiplies the mean, not the sum, so the backward pass's float16 range does
+        # not depend on the token count; the reported sum is unscaled.
+        return mean * loss_scale, (mean * ntokens, ntokens)
 
     value_and_grad = nn.value_and_grad(model, summed)
     state = [model.state, optimizer.state, mx.random.state]
     clip_to = max_grad_norm if max_grad_norm > 0 else float("inf")
 
-    def update_tree(grads, tokens, loss_scale):
-        grads = tree_map(lambda g: g / (mx.maximum(tokens, 1) * loss_scale), grads)
+    def mean_gradient(g, tokens):
+        # Keep the sum's dtype (float32 for half-precision parameters, else the parameter's own).
+        return (g / mx.maximum(tokens, 1)).astype(g.dtype)
+
+    def update_tree(grads, tokens):
+        grads = tree_map(lambda g: mean_gradient(g, tokens), grads)
         grads, norm = optim.clip_grad_norm(grads, clip_to)
         finite = mx.isfinite(norm)
         old_params = model.trainable_parameters()
+        # The optimizer updates the float32 master where a parameter has one (it maps over the
+        # gradients' structure, so the state's master entry is not mistaken for a parameter).
+        masters = dict(tree_flatten(optimizer.state.get(MASTER_KEY, {})))
+        masters = {name: _synced(masters[name], p) for name, p in tree_flatten(old_params) if name in masters}
+        current = tree_map_with_path(lambda name, p: masters.get(name, p), old_params)
         # A structural copy: the optimizer rewrites its nested state dicts in place.
-        old_moments = tree_map(lambda x: x, {k: v for k, v in optimizer.state.items() if k not in _SCHEDULE_KEYS})
-        optimizer.update(model, grads)
-        model.update(_where_tree(finite, model.trainable_parameters(), old_params))
+        old_moments = tree_map(lambda x: x, {k: v for k, v in optimizer.state.items()
+                                             if k not in _SCHEDULE_KEYS and k != MASTER_KEY})
+        new = optimizer.apply_gradients(grads, current)
+        new_params = tree_map(lambda n, o: n.astype(o.dtype), new, old_params)
+        model.update(_where_tree(finite, new_params, old_params))
         new_moments = {k: optimizer.state[k] for k in old_moments}
         optimizer.state.update(_where_tree(finite, new_moments, old_moments))
+        if masters:
+            new = dict(tree_flatten(new))
+            optimizer.state[MASTER_KEY] = tree_map_with_path(
+                lambda name, _: mx.where(finite, new[name], masters[name]), optimizer.state[MASTER_KEY])
         return norm, finite
 
-    def update_flat(grads, tokens, loss_scale):
+    def update_flat(grads, tokens):
         # Read from the model each step, not kept as state: a resume or a user may replace them.
         params = layout.flatten(model.trainable_parameters())
-        grads = grads / (mx.maximum(tokens, 1) * loss_scale)  # before squaring: float16 loss scales are large
+        grads = mean_gradient(grads, tokens)
         norm = mx.sqrt(grads.square().sum())
         finite = mx.isfinite(norm)
         if max_grad_norm > 0:
             grads = grads * mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)
         old_moments = dict(optimizer.state.get(FlatTrainables.KEY, {}))
-        new = optimizer.apply_gradients({FlatTrainables.KEY: grads}, {FlatTrainables.KEY: params})
-        model.update(layout.unflatten(mx.where(finite, new[FlatTrainables.KEY], params)))
+        master = optimizer.state.get(MASTER_KEY)
+        current = params if master is None else _synced(master, params)
+        new = optimizer.apply_gradients({FlatTrainables.KEY: grads}, {FlatTrainables.KEY: current})[FlatTrainables.KEY]
+        model.update(layout.unflatten(mx.where(finite, new.astype(params.dtype), params)))
+        if master is not None:
+            optimizer.state[MASTER_KEY] = mx.where(finite, new, current)
         if old_moments:
             moments = optimizer.state[FlatTrainables.KEY]
             optimizer.state[FlatTrainables.KEY] = {k: mx.where(finite, moments[k], old) for k, old in old_moments.items()}
@@ -171,6 +255,9 @@ def build_step(
         (_, (loss_sum, tokens)), grads = value_and_grad(model, *batch, loss_scale)
         if layout is not None:
             grads = layout.flatten(grads)
+        # This micro-batch's summed-loss gradient, unscaled (one rounding to the working dtype).
+        weight = tokens / loss_scale
+        grads = tree_map(lambda g: (g * weight).astype(_working_dtype(g.dtype)), grads)
         if window is not None:
             prev_grads, prev_loss, prev_tokens = window
             grads = tree_map(mx.add, grads, prev_grads)
@@ -179,7 +266,7 @@ def build_step(
             return loss_sum, tokens, grads, None, None
         if reduce is not None:  # data-parallel: the window's sums over every rank
             grads, loss_sum, tokens = reduce((grads, loss_sum, tokens))
-        norm, finite = (update_tree if layout is None else update_flat)(grads, tokens, loss_scale)
+        norm, finite = (update_tree if layout is None else update_flat)(grads, tokens)
         return loss_sum, tokens, None, norm, finite
 
     unit_scale = mx.array(1.0)
@@ -212,7 +299,8 @@ def optimizer_state(optimizer: optim.Optimizer, layout: FlatTrainables | None) -
 
 class LossScaler:
     """Dynamic loss scaling for float16: halve on overflow (the step is skipped), double after
-    ``growth_interval`` finite steps in a row. Disabled, it keeps the scale at 1."""
+    ``growth_interval`` finite steps in a row. Disabled, it keeps the scale at 1. The scale
+    multiplies each micro-batch's per-token mean loss, so one start suits any token count."""
 
     def __init__(self, enabled: bool, scale: float = 2.0**15, growth_interval: int = 1000):
         self.enabled = enabled

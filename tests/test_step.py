@@ -10,12 +10,19 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from conftest import LLAMA_CONFIG, write_model
 from mlxft import lora, models
 from mlxft.config import AdapterConfig, OptimConfig
 from mlxft.data import Example, make_batch
 from mlxft.loss import loss_fn
 from mlxft.optim import build_optimizer, learning_rate_at
-from mlxft.step import build_step, gradient_tree, gradient_window, optimizer_state
+from mlxft.step import MASTER_KEY, LossScaler, build_step, gradient_tree, gradient_window, optimizer_state
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dir(tmp_path_factory):
+    """The tiny Llama with a 2,048-token vocabulary: float16 and bfloat16 matmuls are slow on the CPU."""
+    return write_model(tmp_path_factory.mktemp("small-vocab"), {**LLAMA_CONFIG, "vocab_size": 2048})
 
 
 def lora_model(model_dir, seed=0):
@@ -38,13 +45,14 @@ def uneven_rows():
     return rows
 
 
-def params_after(model_dir, micro_batches, batch_size, optimizer_cls=optim.SGD, flat=None):
+def params_after(model_dir, micro_batches, batch_size, optimizer_cls=optim.SGD, flat=None, loss_scale=None):
     model = lora_model(model_dir)
     opt = optimizer_cls(learning_rate=0.5)
     step = build_step(model, opt, loss_fn, flat=flat)
     window = None
     for i, rows in enumerate(micro_batches):
-        result, window = step(make_batch(rows, batch_size, 4).arrays(), window, update=i == len(micro_batches) - 1)
+        result, window = step(make_batch(rows, batch_size, 4).arrays(), window, update=i == len(micro_batches) - 1,
+                              loss_scale=loss_scale)
         mx.eval(step.state, window)
     return dict(tree_flatten(model.trainable_parameters())), result
 
@@ -53,7 +61,9 @@ def params_after(model_dir, micro_batches, batch_size, optimizer_cls=optim.SGD, 
 def test_accumulation_equals_one_big_batch(model_dir, flat):
     rows = uneven_rows()
     big, big_result = params_after(model_dir, [rows], 6, flat=flat)
-    small, small_result = params_after(model_dir, [rows[0:2], rows[2:4], rows[4:6]], 2, flat=flat)
+    # Each micro-batch's gradient is unscaled before it joins the window.
+    small, small_result = params_after(model_dir, [rows[0:2], rows[2:4], rows[4:6]], 2, flat=flat,
+                                       loss_scale=mx.array(1024.0))
     assert small_result.tokens.item() == big_result.tokens.item() == sum(e.supervised for e in rows)
     assert small_result.loss_sum.item() == pytest.approx(big_result.loss_sum.item(), rel=1e-5)
     start = dict(tree_flatten(lora_model(model_dir).trainable_parameters()))
@@ -156,11 +166,12 @@ def test_schedule_values():
     cfg = OptimConfig(learning_rate=1e-3, min_learning_rate=1e-5, warmup_steps=10, schedule="cosine")
     assert learning_rate_at(1, cfg, 100) == pytest.approx(1e-4)
     assert learning_rate_at(10, cfg, 100) == pytest.approx(1e-3)
-    assert learning_rate_at(55, cfg, 100) == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5)
-    assert learning_rate_at(100, cfg, 100) == pytest.approx(1e-5)
+    assert learning_rate_at(11, cfg, 100) == pytest.approx(1e-3)  # the decay's first step
+    assert learning_rate_at(56, cfg, 100) == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5)
+    assert learning_rate_at(100, cfg, 100) == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5 * (1 + math.cos(math.pi * 89 / 90)))
     linear = OptimConfig(learning_rate=1e-3, warmup_steps=0, schedule="linear")
-    assert learning_rate_at(1, linear, 11) == pytest.approx(1e-3 * 10 / 11)
-    assert learning_rate_at(11, linear, 11) == pytest.approx(0.0)
+    assert learning_rate_at(1, linear, 11) == pytest.approx(1e-3)
+    assert learning_rate_at(11, linear, 11) == pytest.approx(1e-3 / 11)
     constant = OptimConfig(learning_rate=2e-4, warmup_steps=4, schedule="constant")
     assert [learning_rate_at(k, constant, 50) for k in (1, 4, 50)] == pytest.approx([5e-5, 2e-4, 2e-4])
     for k in (1, 7, 10, 11, 60, 100):  # the traced version agrees with the Python one
@@ -168,6 +179,16 @@ def test_schedule_values():
     flat = OptimConfig(learning_rate=3e-4, warmup_steps=0, schedule="constant")
     assert isinstance(learning_rate_at(mx.array(5), flat, 10), mx.array)
     assert learning_rate_at(mx.array(5), flat, 10).item() == pytest.approx(3e-4)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_every_step_trains(schedule):
+    """No warmup: step 1 uses the peak; the last step (even of a one-step run) stays above 0."""
+    cfg = OptimConfig(learning_rate=1e-3, warmup_steps=0, schedule=schedule)
+    for total in (1, 2, 5):
+        rates = [learning_rate_at(k, cfg, total) for k in range(1, total + 1)]
+        assert rates[0] == pytest.approx(1e-3) and rates[-1] > 1e-6, (total, rates)
+        assert rates == sorted(rates, reverse=True)
 
 
 def test_optimizer_step_k_uses_rate_k():
@@ -182,3 +203,174 @@ def test_optimizer_step_k_uses_rate_k():
         mx.eval(layer.parameters())
         used = before - layer.weight[0, 0].item()
         assert used == pytest.approx(learning_rate_at(k, cfg, 6), abs=1e-7), k
+
+
+@pytest.mark.parametrize("finetune, dtype, flat", [("full", mx.bfloat16, False), ("full", mx.bfloat16, True),
+                                                   ("full", mx.float16, False), ("lora", mx.bfloat16, None)],
+                         ids=["bf16-full", "bf16-full-flat", "fp16-full", "bf16-lora"])
+def test_update_keeps_parameter_dtypes(small_vocab_dir, finetune, dtype, flat):
+    """A bf16 model fully fine-tuned stays bf16 (a float32 token count once promoted every
+    weight to float32); float16 weights stay float16 and finite (Adam's moments in float16 give
+    NaN); half-precision weights have float32 masters and moments, of which they are the
+    rounding; LoRA adapters stay float32, with no masters."""
+    model, _, _, _ = models.load(str(small_vocab_dir), {mx.bfloat16: "bfloat16", mx.float16: "float16"}[dtype])
+    lora.apply(model, AdapterConfig(finetune=finetune, rank=4), seed=0)
+    before = dict(tree_flatten(model.parameters()))
+    opt = optim.AdamW(learning_rate=1e-2, weight_decay=0.1)
+    step = build_step(model, opt, loss_fn, max_grad_norm=1.0, flat=flat)
+    result, _ = step(make_batch(uneven_rows(), 6, 4).arrays(), None, True, LossScaler(dtype == mx.float16).array)
+    mx.eval(step.state)
+    assert result.applied.item()
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    wanted = mx.float32 if finetune == "lora" else dtype
+    for name, value in tree_flatten(model.parameters()):
+        assert value.dtype == (wanted if name in trainable else dtype), name
+    assert all(mx.isfinite(v).all().item() for v in trainable.values())
+    assert any(not mx.array_equal(v, before[k]).item() for k, v in trainable.items())
+    moments = dict(tree_flatten(optimizer_state(opt, step.layout)))
+    assert {v.dtype for k, v in moments.items() if k not in ("step", "learning_rate")} == {mx.float32}
+    masters = {k[len(MASTER_KEY) + 1:]: v for k, v in moments.items() if k.startswith(MASTER_KEY + ".")}
+    assert masters.keys() == (trainable.keys() if finetune == "full" else set())
+    for name, master in masters.items():
+        assert mx.array_equal(master.astype(dtype), trainable[name]).item(), name
+
+
+def test_float16_loss_scale_starts_usable(small_vocab_dir):
+    """The scale multiplies the mean loss: at a few hundred supervised tokens the first step of
+    a float16 model applies (scaling the summed loss overflowed until the scale fell ~2**8)."""
+    model, _, _, _ = models.load(str(small_vocab_dir), "float16")
+    lora.apply(model, AdapterConfig(rank=4), seed=0)
+    mx.random.seed(1)
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters()))
+    rng = np.random.default_rng(5)
+    rows = [Example(rng.integers(0, 2000, size=100).astype(np.int32), np.arange(100) >= 20) for _ in range(4)]
+    step = build_step(model, optim.AdamW(learning_rate=1e-3), loss_fn, max_grad_norm=1.0)
+    scaler = LossScaler(True)
+    result, _ = step(make_batch(rows, 4, 4).arrays(), None, True, scaler.array)
+    assert result.tokens.item() > 300 and result.applied.item()
+
+
+
+def bf16_full_model(model_dir, dtype=mx.bfloat16):
+    """The tiny model in bf16, fully fine-tuned; ``dtype`` converts those same weights."""
+    model, _, _, _ = models.load(str(model_dir), "bfloat16")
+    lora.apply(model, AdapterConfig(finetune="full", rank=4), seed=0)
+    model.update(tree_map(lambda p: p.astype(dtype), model.parameters()))
+    return model
+
+
+def test_bf16_full_fine_tuning_keeps_float32_masters(small_vocab_dir):
+    """At lr 1e-6 an Adam step (~1e-6) is far below a bf16 weight's spacing (~1e-4 at 0.02):
+    updated in bf16 nearly every weight stays put. The float32 masters follow the float32 run of
+    the same weights (up to bf16 compute), and the bf16 weights, their rounding, start to move."""
+    batch = make_batch(uneven_rows()[:4], 4, 4).arrays()
+    start = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(bf16_full_model(small_vocab_dir).trainable_parameters())}
+
+    def moved(params):
+        return {k: np.array(v.astype(mx.float32)) - start[k] for k, v in params.items()}
+
+    runs = {}
+    for dtype in (mx.bfloat16, mx.float32):
+        model = bf16_full_model(small_vocab_dir, dtype)
+        opt = optim.Adam(learning_rate=1e-6)
+        step = build_step(model, opt, loss_fn)
+        for _ in range(4):
+            result, _ = step(batch, None, update=True)
+            mx.eval(step.state)
+            assert result.applied.item()
+        runs[dtype] = model, opt
+    model, opt = runs[mx.bfloat16]
+    params = dict(tree_flatten(model.trainable_parameters()))
+    masters = dict(tree_flatten(opt.state[MASTER_KEY]))
+    assert MASTER_KEY not in runs[mx.float32][1].state
+    assert {v.dtype for v in params.values()} == {mx.bfloat16} and {v.dtype for v in masters.values()} == {mx.float32}
+    assert all(mx.array_equal(masters[k].astype(mx.bfloat16), v).item() for k, v in params.items())
+
+    # The same four steps entirely in bf16 (what the step did before the masters).
+    pure = bf16_full_model(small_vocab_dir)
+    pure_opt = optim.Adam(learning_rate=1e-6)
+    grad_fn = nn.value_and_grad(pure, lambda m, *b: loss_fn(m, *b)[0])
+    for _ in range(4):
+        _, grads = grad_fn(pure, *batch)
+        pure.update(pure_opt.apply_gradients(grads, pure.trainable_parameters()))
+        mx.eval(pure.parameters(), pure_opt.state)
+    pure = dict(tree_flatten(pure.trainable_parameters()))
+    assert {v.dtype for v in pure.values()} == {mx.bfloat16}
+
+    reference = moved(dict(tree_flatten(runs[mx.float32][0].trainable_parameters())))
+    norm = math.sqrt(sum(float((d ** 2).sum()) for d in reference.values()))
+
+    def error(params):  # distance of the trajectory from the float32 one, relative to its length
+        return math.sqrt(sum(float(((d - reference[k]) ** 2).sum()) for k, d in moved(params).items())) / norm
+
+    def fraction_moved(params):
+        return sum(int((d != 0).sum()) for d in moved(params).values()) / sum(d.size for d in reference.values())
+
+    assert error(masters) < 0.15  # measured 0.06: the forward and backward passes run in bf16
+    assert error(pure) > 0.9  # measured 0.99: the update rounds away
+    assert fraction_moved(masters) == 1.0
+    assert fraction_moved(params) > 2 * fraction_moved(pure)  # measured 5.6% against 1.4%
+
+
+def test_lora_on_bf16_has_no_masters(small_vocab_dir):
+    """Float32 adapters on a bf16 model: no master copies, state as before (flat moments)."""
+    model, _, _, _ = models.load(str(small_vocab_dir), "bfloat16")
+    lora.apply(model, AdapterConfig(rank=4), seed=0)
+    opt = optim.AdamW(learning_rate=1e-2)
+    step = build_step(model, opt, loss_fn, max_grad_norm=1.0)
+    assert step.layout is not None
+    result, _ = step(make_batch(uneven_rows()[:2], 2, 4).arrays(), None, update=True)
+    mx.eval(step.state)
+    assert result.applied.item() and MASTER_KEY not in opt.state
+    assert set(opt.state) == {"step", "learning_rate", "_flat_trainables"}
+    assert not any(k.startswith(MASTER_KEY) for k in dict(tree_flatten(optimizer_state(opt, step.layout))))
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["per-tensor", "flat"])
+def test_bf16_masters_resume_exactly_and_survive_skipped_steps(small_vocab_dir, tmp_path, flat):
+    """The masters live in the optimizer state: a checkpoint of it (as the trainer saves and
+    restores it) continues exactly like an uninterrupted run; a non-finite step leaves them."""
+    rows = uneven_rows()
+    batches = [make_batch(rows[i:i + 2], 2, 4).arrays() for i in (0, 2, 4)]
+
+    def train(model, opt, parts, loss=loss_fn):
+        step = build_step(model, opt, loss, max_grad_norm=1.0, flat=flat)
+        assert (step.layout is not None) == flat
+        for batch in parts:
+            result, _ = step(batch, None, update=True)
+            mx.eval(step.state)
+        return step, result
+
+    def state(model, opt, layout):
+        return (dict(tree_flatten(model.trainable_parameters())), dict(tree_flatten(optimizer_state(opt, layout))))
+
+    model, opt = bf16_full_model(small_vocab_dir), optim.AdamW(learning_rate=1e-5, weight_decay=0.1)
+    step, _ = train(model, opt, batches[:1])
+    weights, moments = state(model, opt, step.layout)
+    assert any(k.startswith(MASTER_KEY + ".") for k in moments)
+    mx.save_safetensors(str(tmp_path / "weights.safetensors"), weights)
+    mx.save_safetensors(str(tmp_path / "optimizer.safetensors"), moments)
+    step, _ = train(model, opt, batches[1:])
+    expected = state(model, opt, step.layout)
+
+    # A skipped (non-finite) step changes neither the weights nor the masters nor the moments.
+    def exploding(m, *b):
+        loss, n = loss_fn(m, *b)
+        return loss * mx.array(float("inf")), n
+
+    step, result = train(model, opt, batches[:1], exploding)
+    assert not result.applied.item()
+    for got, want in zip(state(model, opt, step.layout), expected):
+        assert all(mx.array_equal(got[k], want[k]).item() for k in want if k != "step")
+
+    # Restored as the trainer does: fresh model and optimizer, init, then the saved state.
+    resumed, opt = bf16_full_model(small_vocab_dir), optim.AdamW(learning_rate=1e-5, weight_decay=0.1)
+    resumed.load_weights(list(mx.load(str(tmp_path / "weights.safetensors")).items()), strict=False)
+    opt.init(resumed.trainable_parameters())
+    opt.state.update(tree_unflatten(list(mx.load(str(tmp_path / "optimizer.safetensors")).items())))
+    step, _ = train(resumed, opt, batches[1:])
+    got = state(resumed, opt, step.layout)
+    for got_part, want_part in zip(got, expected):
+        assert got_part.keys() == want_part.keys()
+        for name, value in want_part.items():
+            assert value.dtype == got_part[name].dtype and mx.array_equal(got_part[name], value).item(), name
