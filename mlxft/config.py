@@ -260,6 +260,23 @@ def apply_overrides(config: RunConfig, data: dict, source: str) -> None:
             setattr(target, key, _coerce(value, known[key], f"{source}: {section}.{key}"))
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error: PyYAML
+    keeps the last silently, so a second ``train:`` section would quietly replace the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # unhashable: PyYAML's own construction reports it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice; merge the two",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path) -> dict:
     """Read a YAML config file, turning every read or parse problem into a one-line error."""
     path = Path(path)
@@ -270,7 +287,7 @@ def load_yaml(path: str | Path) -> dict:
     except OSError as err:
         raise UserError(f"cannot read config file {path}: {err.strerror or err}") from err
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""

@@ -257,6 +257,16 @@ def test_yaml_numbers_pyyaml_reads_as_strings(tmp_path):
             resolve_cli(config_path=path)
 
 
+
+def test_a_key_given_twice_in_yaml_is_an_error(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  batch_size: 2\noptim:\n  learning_rate: 1e-4\ntrain:\n  max_steps: 3\n")
+    with pytest.raises(UserError, match=re.escape("run.yaml line 5: invalid YAML ('train' is given twice; merge the two)")):
+        resolve_cli(config_path=path)
+    path.write_text("train:\n  batch_size: 2\n  batch_size: 4\n")
+    with pytest.raises(UserError, match="line 3: invalid YAML .'batch_size' is given twice"):
+        resolve_cli(config_path=path)
+
 def test_config_file_that_is_not_utf8(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes("# café\ntrain:\n  epochs: 2\n".encode("latin-1"))
