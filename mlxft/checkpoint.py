@@ -344,6 +344,24 @@ def remove_checkpoints(run_dir: Path) -> list[Path]:
     return doomed
 
 
+# What a save killed half-way (SIGKILL, power loss) leaves: a checkpoint's temporary directory,
+# a run file's temporary copy, the `latest` link's, or the tokenizer's staging directory. Never
+# complete, never read, so safe to delete; an old checkpoint moved aside (``.old``) is kept.
+_PARTIAL_SAVE = re.compile(r"^\.((checkpoint-\d+(-emergency)?|final|latest|adapters\.safetensors|adapter_config\.json"
+                           r"|config\.yaml|training_state\.json|metrics\.jsonl)\..+\.tmp(\.[a-z]+)?|tokenizer\.\w+)$")
+
+
+def remove_partial_saves(run_dir: Path) -> list[Path]:
+    """Delete what interrupted saves left in ``run_dir`` (see ``_PARTIAL_SAVE``)."""
+    doomed = [p for p in Path(run_dir).iterdir() if _PARTIAL_SAVE.match(p.name)] if Path(run_dir).is_dir() else []
+    for path in doomed:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return doomed
+
+
 def first_output_in(run_dir: Path) -> str | None:
     """The name of the first thing in ``run_dir`` that a run writes over, if any."""
     names = (ADAPTER_FILE, ADAPTER_CONFIG, CONFIG_FILE, STATE_FILE, METRICS_FILE, LATEST) + TOKENIZER_FILES

@@ -171,6 +171,7 @@ class Trainer:
             self.window = (gradient_window(grads, self.layout), loss_sum, tokens)
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint.remove_partial_saves(self.run_dir)  # a killed run's; this run's saves start clean
             if resume_from is None:
                 if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
                     checkpoint.remove_checkpoints(self.run_dir)

@@ -467,3 +467,19 @@ def test_a_second_signal_exits_at_once():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 128 + signal.SIGINT
     assert "first signal recorded" in proc.stdout and "still running" not in proc.stdout
+
+
+def test_what_killed_saves_left_is_removed_and_nothing_else(tmp_path):
+    tiny_checkpoint(tmp_path, "checkpoint-2")
+    leftovers = [".checkpoint-4.k2j3h_x1.tmp", ".checkpoint-5-emergency.abc.tmp", ".final.q1w2.tmp", ".tokenizer.a8s7d6",
+                 ".latest.4242.tmp", ".training_state.json.zx9.tmp.json", ".metrics.jsonl.u7.tmp.jsonl", ".adapters.safetensors.p0o9.tmp.safetensors"]
+    for name in leftovers:
+        (tmp_path / name).mkdir() if name.startswith((".checkpoint", ".final", ".tokenizer")) else (tmp_path / name).write_text("x")
+    (tmp_path / ".checkpoint-4.k2j3h_x1.tmp" / "adapters.safetensors").write_text("half written")
+    keep = [".final.m3n4.old", ".notes.tmp", "notes.txt"]  # an old checkpoint moved aside; the user's own
+    for name in keep:
+        (tmp_path / name).mkdir() if name.endswith(".old") else (tmp_path / name).write_text("mine")
+    before = files(tmp_path / "checkpoint-2")
+    assert sorted(p.name for p in checkpoint.remove_partial_saves(tmp_path)) == sorted(leftovers)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep + ["checkpoint-2", "latest"])
+    assert files(tmp_path / "checkpoint-2") == before
