@@ -325,8 +325,20 @@ def prune_checkpoints(run_dir: Path, keep: int, run_id: str) -> list[Path]:
     latest = (Path(run_dir) / LATEST).resolve()
     for path in doomed:
         if path.resolve() != latest:
-            shutil.rmtree(path, ignore_errors=True)
+            _delete_directory(path)
     return doomed
+
+
+def _delete_directory(path: Path) -> None:
+    """Hide ``path`` under a temporary name (one rename), then delete it: a kill during the
+    deletion must not leave a visible checkpoint with half its files. What it leaves hidden,
+    the next run's :func:`remove_partial_saves` deletes."""
+    hidden = path.with_name(f".{path.name}.{os.getpid()}.deleted.tmp")
+    try:
+        os.replace(path, hidden)
+    except OSError:
+        hidden = path
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 _ANY_CHECKPOINT = re.compile(r"^(checkpoint-\d+(-emergency)?|final)$")
@@ -337,10 +349,10 @@ def remove_checkpoints(run_dir: Path) -> list[Path]:
     nothing that is not an mlxft checkpoint."""
     run_dir = Path(run_dir)
     doomed = [p for p in run_dir.iterdir() if _ANY_CHECKPOINT.match(p.name) and _checkpoint_state(p) is not None]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    if (run_dir / LATEST).is_symlink():
+    if (run_dir / LATEST).is_symlink():  # first: it must never point at a half-deleted checkpoint
         (run_dir / LATEST).unlink()
+    for path in doomed:
+        _delete_directory(path)
     return doomed
 
 

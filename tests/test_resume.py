@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -483,3 +484,20 @@ def test_what_killed_saves_left_is_removed_and_nothing_else(tmp_path):
     assert sorted(p.name for p in checkpoint.remove_partial_saves(tmp_path)) == sorted(leftovers)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep + ["checkpoint-2", "latest"])
     assert files(tmp_path / "checkpoint-2") == before
+
+
+def test_pruning_hides_a_checkpoint_before_deleting_it(tmp_path, monkeypatch):
+    for step in (2, 4):
+        tiny_checkpoint(tmp_path, f"checkpoint-{step}", step=step)
+    seen = []
+
+    def killed_while_deleting(path, ignore_errors=False):  # what a SIGKILL mid-rmtree leaves
+        seen.append(Path(path).name)
+        (Path(path) / "adapters.safetensors").unlink()
+
+    monkeypatch.setattr(shutil, "rmtree", killed_while_deleting)
+    checkpoint.prune_checkpoints(tmp_path, keep=1, run_id="run-a")
+    monkeypatch.undo()
+    assert seen == [f".checkpoint-2.{os.getpid()}.deleted.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["checkpoint-4", "latest"]
+    assert [p.name for p in checkpoint.remove_partial_saves(tmp_path)] == seen
