@@ -43,14 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
 def export(adapter, fmt: str, out, *, model: str = "", overwrite: bool = False) -> Path:
     """Convert the adapter directory ``adapter`` into ``fmt`` under ``out``; return ``out``."""
     from mlxft import adapters
-    from mlxft.gguf import _check_destination, _write_atomically
+    from mlxft.gguf import _check_destination, _write_atomically, check_output_apart
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     out = Path(out).expanduser()
     weights, spec = adapters.load_adapter_dir(adapter)
-    if out.resolve() == spec.path.resolve() or spec.path.resolve() in out.resolve().parents:
-        raise UserError(f"--out {out} is inside the adapter directory {spec.path}; choose another directory")
+    # The base is read for mlx-lm's layer count; --overwrite must not delete it either.
+    check_output_apart(out, "--out", {"adapter directory": spec.path,
+                                      "base model": model or spec.base_model})
     _check_destination(out, overwrite)
     write = adapters.write_peft if fmt == "peft" else adapters.write_mlx
     if fmt == "peft":

@@ -46,13 +46,15 @@ def fuse(adapter: str | None, model: str | None, out, *, dequantize: bool = Fals
     """Load base and adapter, merge, and write the model directory; return its path."""
     from mlxft import hf, models
     from mlxft.adapters import load_with_adapter
+    from mlxft.gguf import check_output_apart
 
     out = Path(out).expanduser()
-    _check_out(out, adapter, model)
+    check_output_apart(out, "--out", {"adapter directory": adapter, "base model": model})
     if max_shard_gb <= 0:
         raise UserError(f"--max-shard-size must be > 0, got {max_shard_gb}")
     loaded = load_with_adapter(model, adapter, dtype="float32")  # merge in float32, cast when writing
-    _check_out(out, loaded.model_path)  # the base the run recorded is an input too
+    # The base the run recorded is an input too.
+    check_output_apart(out, "--out", {"base model": loaded.model_path})
     base_dtype = hf.stored_dtype(loaded.model_path)
     out_dtype = base_dtype if dtype == "auto" else dtype
     count = hf.fuse_adapters(loaded.model, dequantize=dequantize)
@@ -71,15 +73,6 @@ def fuse(adapter: str | None, model: str | None, out, *, dequantize: bool = Fals
     print(f"wrote {path} ({what}; {out_dtype or 'stored'} weights"
           + ("; quantized: mlx-lm loads it, transformers does not" if quantized else "") + ")")
     return path
-
-
-def _check_out(out: Path, *inputs) -> None:
-    """Refuse an output directory that is, or is inside, one of the inputs (--overwrite would
-    delete it)."""
-    for source in filter(None, inputs):
-        src = Path(source).expanduser().resolve()
-        if src.exists() and (out.resolve() == src or src in out.resolve().parents):
-            raise UserError(f"--out {out} is inside {source}; choose a directory outside the inputs")
 
 
 @run_cli

@@ -11,8 +11,10 @@ The output directory holds what ``mlx_lm.load`` (and Hugging Face tooling) expec
 Reading is done by MLX itself (``mx.load(path, format="gguf")``). What MLX returns decides what
 we can keep: Q4_0, Q4_1 and Q8_0 blocks come back as MLX affine-quantized triples
 (``weight``/``scales``/``biases``, group size 32) that map exactly onto llama.cpp's blocks, so they
-are kept as they are (or dequantized on request); a few other types (Q2_K, Q4_K, Q6_K, BF16) come
+are kept as they are (or dequantized on request); a few other types (Q2_K, Q6_K, BF16) come
 back already dequantized to float16; the rest cannot be read at all and are refused up front.
+Q4_K (most of a Q4_K_M file) MLX 0.32 reads too, but wrongly (every second 32-value sub-block
+gets the wrong scale), so we decode those tensors ourselves from the file's bytes, in float32.
 
 llama.cpp stores Q and K projection rows in the interleaved-rotary ("Meta") order; mlx-lm's Llama
 uses the Hugging Face half-split order, so those rows are permuted back. Quantization groups run
@@ -30,7 +32,7 @@ import struct
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -53,9 +55,14 @@ GGML_TYPE_NAMES = {
     34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
 }
 # Types MLX 0.32 reads: kept exactly (F32, F16, Q4_0, Q4_1, Q8_0) or widened/narrowed to float16
-# by its bundled gguflib (Q2_K, Q4_K, Q6_K, BF16). Measured: the others raise or vanish silently.
-MLX_READABLE_TYPES = {0, 1, 2, 3, 8, 10, 12, 14, 30}
-MLX_FLOAT16_TYPES = {10, 12, 14, 30}
+# by its bundled gguflib (Q2_K, Q6_K, BF16). Measured: the others raise or vanish silently.
+# Q4_K it reads with wrong scales (measured against llama.cpp): we re-decode it (dequantize_q4_k).
+GGML_Q4_K = 12
+MLX_READABLE_TYPES = {0, 1, 2, 3, 8, 10, GGML_Q4_K, 14, 30}
+# Types that cannot stay quantized: they are dequantized on load and written as floats.
+DEQUANTIZED_TYPES = {10, GGML_Q4_K, 14, 30}
+# Q4_K super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit quants.
+Q4_K_VALUES, Q4_K_BYTES = 256, 144
 
 # llama.cpp tensor names -> Hugging Face Llama module names.
 _GLOBAL_NAMES = {
@@ -118,12 +125,20 @@ def find_smollm2_gguf() -> Path | None:
 # Reading the GGUF
 
 
-def scan_tensor_types(path: str | os.PathLike) -> dict[str, int]:
-    """Read only the GGUF header and return ``{tensor name: ggml type id}``.
+class TensorInfo(NamedTuple):
+    """A tensor's entry in the GGUF header."""
+
+    type: int  # ggml type id
+    shape: tuple[int, ...]  # row-major, as MLX returns it (ggml lists the innermost first)
+    offset: int  # of its data, from the start of the file
+
+
+def scan_tensors(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Read only the GGUF header and return ``{tensor name: TensorInfo}``.
 
     MLX's reader does not say which tensor of which type it failed on (or silently drops
-    tensors of types it does not know), so we look at the header ourselves to name them.
-    Raises ValueError on a malformed header.
+    tensors of types it does not know), so we look at the header ourselves to name them; the
+    offsets let us decode the types MLX gets wrong. Raises ValueError on a malformed header.
     """
     with open(path, "rb") as f:
         def read(fmt: str):
@@ -161,22 +176,80 @@ def scan_tensor_types(path: str | os.PathLike) -> dict[str, int]:
         version, n_tensors, n_kv = read("IQQ")
         if version < 2:
             raise ValueError(f"GGUF version {version} is too old")
+        alignment = 32  # the data section's alignment unless general.alignment says otherwise
         for _ in range(n_kv):
-            skip_string()
-            skip_value(read("I")[0])
-        types = {}
+            (length,) = read("Q")
+            key = b""
+            if length == len(b"general.alignment"):  # read only that key: a corrupt length
+                key = f.read(length)                  # could ask for gigabytes
+            else:
+                f.seek(length, os.SEEK_CUR)
+            (vtype,) = read("I")
+            if key == b"general.alignment" and vtype == 4:
+                (alignment,) = read("I")
+                if alignment == 0:
+                    raise ValueError("general.alignment is 0")
+            else:
+                skip_value(vtype)
+        entries = []
         for _ in range(n_tensors):
             (length,) = read("Q")
             name = f.read(length).decode("utf-8", "replace")
             (n_dims,) = read("I")
-            f.seek(8 * n_dims, os.SEEK_CUR)
-            ggml_type, _offset = read("IQ")
-            types[name] = ggml_type
-        return types
+            if n_dims > 4:  # GGML_MAX_DIMS
+                raise ValueError(f"tensor {name} has {n_dims} dimensions")
+            dims = read(f"{n_dims}Q")
+            ggml_type, offset = read("IQ")
+            entries.append((name, ggml_type, tuple(reversed(dims)), offset))
+        data_start = -(-f.tell() // alignment) * alignment
+        return {name: TensorInfo(ggml_type, shape, data_start + offset)
+                for name, ggml_type, shape, offset in entries}
 
 
 def _type_name(ggml_type: int) -> str:
     return GGML_TYPE_NAMES.get(ggml_type, f"type {ggml_type}")
+
+
+def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+    """float32 values of Q4_K super-blocks: uint8 ``(n, 144)`` -> ``(n, 256)``.
+
+    As llama.cpp's dequantize_row_q4_K: a block holds eight sub-blocks of 32 values, value =
+    d * scale * q - dmin * min with 6-bit scale and min per sub-block (get_scale_min_k4 packing)
+    and 4-bit q; quant byte i of each 32-byte chunk c holds sub-block 2c's value i in its low
+    nibble and sub-block 2c+1's in its high nibble.
+    """
+    n = blocks.shape[0]
+    d, dmin = np.ascontiguousarray(blocks[:, :4]).view(np.float16).astype(np.float32).T
+    packed = blocks[:, 4:16]
+    low, mid, high = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    # Sub-blocks 0-3: 6 bits each in bytes 0-3 (scale) and 4-7 (min). Sub-blocks 4-7: low 4 bits
+    # in bytes 8-11 (scale low nibble, min high nibble), top 2 bits in the spare top bits of 0-7.
+    scales = np.concatenate([low & 63, (high & 15) | ((low >> 6) << 4)], axis=1)
+    mins = np.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=1)
+    quants = blocks[:, 16:].reshape(n, 4, 1, 32)
+    q = np.concatenate([quants & 15, quants >> 4], axis=2).reshape(n, 8, 32)
+    # The float32 products in llama.cpp's order, so the values match it bit for bit.
+    step = (d[:, None] * scales)[..., None]
+    offset = (dmin[:, None] * mins)[..., None]
+    return (step * q - offset).reshape(n, Q4_K_VALUES)
+
+
+def _read_q4_k(path: Path, name: str, info: TensorInfo) -> mx.array:
+    """A Q4_K tensor decoded from the file's bytes (MLX's own decoding is wrong)."""
+    count = int(np.prod(info.shape))
+    if info.shape[-1] % Q4_K_VALUES:
+        raise UserError(f"{path}: Q4_K tensor {name} has rows of {info.shape[-1]} values, not a "
+                        f"multiple of {Q4_K_VALUES}; the file is corrupt, re-download it")
+    n_blocks = count // Q4_K_VALUES
+    raw = np.fromfile(path, dtype=np.uint8, count=n_blocks * Q4_K_BYTES, offset=info.offset)
+    if raw.size != n_blocks * Q4_K_BYTES:
+        raise UserError(f"{path}: tensor {name} ends past the end of the file; re-download it")
+    blocks = raw.reshape(n_blocks, Q4_K_BYTES)
+    values = np.empty((n_blocks, Q4_K_VALUES), np.float32)
+    chunk = 1 << 14  # blocks at a time: bounds the temporaries to a few tens of MB
+    for start in range(0, n_blocks, chunk):
+        values[start:start + chunk] = dequantize_q4_k(blocks[start:start + chunk])
+    return mx.array(values.reshape(info.shape))
 
 
 def _check_tensor_types(path: Path, types: dict[str, int]) -> None:
@@ -190,26 +263,31 @@ def _check_tensor_types(path: Path, types: dict[str, int]) -> None:
             f"e.g. {name}); use a Q4_0, Q4_1, Q8_0, F16 or F32 GGUF of this model "
             "(llama.cpp's llama-quantize can re-quantize one)"
         )
-    lossy = sorted({_type_name(t) for t in types.values() if t in MLX_FLOAT16_TYPES})
+    lossy = sorted({_type_name(t) for t in types.values() if t in DEQUANTIZED_TYPES})
     if lossy:
-        # MLX dequantizes these to float16 on load: the output holds them unquantized.
-        log.warning("%s: %s tensors are read by MLX as float16 and written unquantized",
+        log.warning("%s: %s tensors are dequantized on load and written unquantized",
                     path, "/".join(lossy))
 
 
-def read_gguf(path: str | os.PathLike) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Load a GGUF's tensors and metadata with MLX, turning every failure into a UserError."""
+def read_gguf(
+    path: str | os.PathLike,
+) -> tuple[dict[str, mx.array], dict[str, Any], dict[str, int]]:
+    """Load a GGUF's tensors and metadata with MLX, turning every failure into a UserError.
+
+    Also returns ``{tensor name: ggml type id}`` from the header.
+    """
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{path}: is a directory; give the path of a .gguf file")
     if not path.is_file():
         raise UserError(f"{path}: GGUF file not found; check the path")
     try:
-        types = scan_tensor_types(path)
+        infos = scan_tensors(path)
     except (ValueError, OSError, UnicodeDecodeError) as err:
         raise UserError(
             f"{path}: not a readable GGUF file ({err}); re-download or re-export it"
         ) from None
+    types = {name: info.type for name, info in infos.items()}
     _check_tensor_types(path, types)
     try:
         tensors, metadata = mx.load(str(path), format="gguf", return_metadata=True)
@@ -219,7 +297,10 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, mx.array], dict[str, A
             f"{path}: MLX cannot read this GGUF ({reason}); re-download or re-export it"
         ) from None
     _check_bf16_range(path, types, tensors)
-    return tensors, metadata
+    for name, info in infos.items():
+        if info.type == GGML_Q4_K and name in tensors:
+            tensors[name] = _read_q4_k(path, name, info)
+    return tensors, metadata, types
 
 
 def _check_bf16_range(path: Path, types: dict[str, int], tensors: dict[str, mx.array]) -> None:
@@ -436,8 +517,10 @@ def _expected_tensors(config: dict[str, Any]) -> list[str]:
     return names
 
 
-def _default_dtype(tensors: dict[str, mx.array]) -> mx.Dtype:
+def _default_dtype(tensors: dict[str, mx.array], types: dict[str, int]) -> mx.Dtype:
     """The GGUF's own precision: that of the embedding (its scales when quantized)."""
+    if types.get("token_embd.weight") == GGML_Q4_K:
+        return mx.float16  # decoded to float32 by us, but stored with float16 scales
     embed = tensors.get("token_embd.scales", tensors["token_embd.weight"])
     return embed.dtype if mx.issubdtype(embed.dtype, mx.floating) else mx.float16
 
@@ -679,6 +762,30 @@ def _check_destination(out_dir: Path, overwrite: bool) -> None:
                         "pass --overwrite")
 
 
+def check_output_apart(out: Path, label: str, inputs: dict[str, Any]) -> None:
+    """Refuse an output directory that is, contains or is inside one of ``inputs``
+    ({description: path}; paths that do not exist, such as hub ids, are skipped).
+
+    Replacing the output (--overwrite) deletes everything under it, and writing inside an input
+    changes it. Symlinks are resolved, so a link cannot hide the overlap.
+    """
+    target = Path(out).expanduser().resolve()
+    for what, source in inputs.items():
+        if not source or not Path(source).expanduser().exists():
+            continue
+        src = Path(source).expanduser().resolve()
+        if target == src:
+            relation = "is"
+        elif src in target.parents:
+            relation = "is inside"
+        elif target in src.parents:
+            relation = "contains"
+        else:
+            continue
+        raise UserError(f"{label} {out} {relation} the {what} {source}; choose an output "
+                        "directory outside the inputs")
+
+
 def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> None:
     """Run ``write(tmp_dir)`` in a temp dir beside out_dir, then rename it into place.
 
@@ -687,17 +794,21 @@ def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], No
     """
     from mlxft.checkpoint import replace_directory
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(out_dir, "tmp")
+    tmp = None
     try:
+        # Inside the try: a parent that is a regular file fails here, as a one-line error.
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _sibling(out_dir, "tmp")
         write(tmp)
         _check_destination(out_dir, overwrite)  # it may have appeared while we worked
         replace_directory(tmp, out_dir)
     except OSError as err:
-        raise UserError(f"{out_dir}: cannot write ({err.strerror or err}); check the path, its permissions "
+        # Name the path that failed: "File exists" alone does not say that a parent is a file.
+        reason = f"{err.strerror}: {err.filename}" if err.strerror and err.filename else err
+        raise UserError(f"{out_dir}: cannot write ({reason}); check the path, its permissions "
                         "and the free disk space") from None
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -735,11 +846,12 @@ def convert_gguf(
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if dtype is not None and dtype not in ("float16", "bfloat16", "float32"):
         raise UserError(f"dtype {dtype!r} is not one of float16, bfloat16, float32")
-    tensors, metadata = read_gguf(gguf_path)
+    check_output_apart(out_dir, "output directory", {"GGUF file": gguf_path})
+    tensors, metadata, types = read_gguf(gguf_path)
     _check_destination(out_dir, overwrite)  # before the slow part
     meta = _Metadata(gguf_path, metadata)
     config = build_config(meta, tensors)
-    target = getattr(mx, dtype) if dtype else _default_dtype(tensors)
+    target = getattr(mx, dtype) if dtype else _default_dtype(tensors, types)
     weights, quantization = convert_tensors(gguf_path, tensors, config, dequantize, target)
     if quantization is not None:
         config["quantization"] = quantization

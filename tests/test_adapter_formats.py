@@ -213,3 +213,12 @@ def test_mismatched_adapters_are_refused_and_leave_the_model_as_it_was(llama_dir
         export(llama_run, "peft", peft_dir)
     with pytest.raises(UserError, match="inside the adapter directory"):
         export(llama_run, "mlx-lm", llama_run / "sub", overwrite=True)
+    # An output that contains an input: --overwrite would have deleted it.
+    anc = tmp_path / "anc"
+    shutil.copytree(llama_run, anc / "run1")
+    with pytest.raises(UserError, match="contains the adapter directory"):
+        export(anc / "run1", "mlx-lm", anc, overwrite=True)
+    (anc / "base").mkdir()
+    with pytest.raises(UserError, match="contains the base model"):
+        export(llama_run, "peft", anc, model=str(anc / "base"), overwrite=True)
+    assert sorted(p.name for p in anc.iterdir()) == ["base", "run1"] and (anc / "run1" / "adapters.safetensors").exists()

@@ -3,6 +3,7 @@ written in Hugging Face layout (config, shards and index, tokenizer); quantized 
 fine-tunes and bad output paths."""
 
 import json
+import shutil
 
 import pytest
 
@@ -92,6 +93,13 @@ def test_fuse_refuses_bad_output_paths(llama_dir, runs_root, tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     assert fuse_main(["--adapter", str(run), "--out", str(run / "fused"), "--overwrite"]) == 2
     assert "inside" in capsys.readouterr().err
+    # An output containing the adapter, reached through a symlink: --overwrite would delete it.
+    anc = tmp_path / "anc"
+    shutil.copytree(run, anc / "run1")
+    (tmp_path / "link").symlink_to(anc / "run1")
+    assert fuse_main(["--adapter", str(tmp_path / "link"), "--out", str(anc), "--overwrite"]) == 2
+    assert "contains the adapter directory" in capsys.readouterr().err
+    assert (anc / "run1" / "adapters.safetensors").exists()
     assert fuse_main(["--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--adapter" in err

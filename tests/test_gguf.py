@@ -25,7 +25,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.models import llama
 
 from mlxft.errors import UserError
-from mlxft.gguf import convert_gguf, find_smollm2_gguf, llama3_rope_factors
+from mlxft.gguf import convert_gguf, find_smollm2_gguf, llama3_rope_factors, read_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 # GGUF (ggml) tensor type ids used below.
-GGML_Q4_1, GGML_Q5_0, GGML_Q8_0, GGML_BF16 = 3, 6, 8, 30
+GGML_Q4_1, GGML_Q5_0, GGML_Q8_0, GGML_Q4_K, GGML_BF16 = 3, 6, 8, 12, 30
 
 
 def byte_alphabet() -> list[str]:
@@ -191,6 +191,28 @@ def random_q8_0(rng, shape) -> tuple[np.ndarray, np.ndarray]:
     values = d.astype(np.float32) * q
     blocks = np.concatenate([d.view(np.uint8), q.view(np.uint8)], axis=-1)
     return values.reshape(rows, cols), blocks.reshape(rows, -1)
+
+
+def q4_k_reference(block: np.ndarray) -> np.ndarray:
+    """One Q4_K block (144 bytes) -> 256 floats, line by line as llama.cpp's
+    dequantize_row_q4_K and get_scale_min_k4 (ggml-quants.c)."""
+    d, dmin = (np.float32(x) for x in block[:4].view(np.float16))
+    scales, qs = block[4:16].astype(int), block[16:]
+
+    def scale_min(j):
+        if j < 4:
+            return scales[j] & 63, scales[j + 4] & 63
+        return ((scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4),
+                (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4))
+
+    out = []
+    for chunk in range(4):
+        (sc1, m1), (sc2, m2) = scale_min(2 * chunk), scale_min(2 * chunk + 1)
+        d1, min1, d2, min2 = d * np.float32(sc1), dmin * np.float32(m1), d * np.float32(sc2), dmin * np.float32(m2)
+        q = qs[32 * chunk: 32 * chunk + 32]
+        out += [d1 * np.float32(x & 0xF) - min1 for x in q]
+        out += [d2 * np.float32(x >> 4) - min2 for x in q]
+    return np.array(out, np.float32)
 
 
 def patch_tensor_type(path: Path, name: str, ggml_type: int, width: int | None = None) -> None:
@@ -338,6 +360,43 @@ def test_refuses_non_empty_output_unless_overwrite(float_gguf, tmp_path):
     convert_gguf(float_gguf[0], out, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temp dirs left
+
+
+def test_q4_k_tensors_decode_as_llama_cpp(tmp_path):
+    # MLX decodes Q4_K with wrong scales for every second sub-block; ours must match llama.cpp.
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(6, 144), dtype=np.uint8)  # all scale bits random
+    blocks[:, :4] = rng.uniform(-0.05, 0.05, size=(6, 2)).astype(np.float16).view(np.uint8)
+    path = tmp_path / "q4k.gguf"
+    arrays = {"odd.weight": mx.ones((3,)),  # 12 bytes first: the Q4_K data sits at an offset
+              "q4k.weight": mx.array(blocks.reshape(3, 288).view(np.int8))}
+    mx.save_gguf(str(path), arrays, {})
+    patch_tensor_type(path, "q4k.weight", GGML_Q4_K, 512)
+    tensors = read_gguf(path)[0]
+    expected = np.stack([q4_k_reference(b) for b in blocks]).reshape(3, 512)
+    np.testing.assert_array_equal(np.array(tensors["q4k.weight"]), expected)
+    np.testing.assert_array_equal(np.array(tensors["odd.weight"]), np.ones(3))
+
+
+def test_refuses_output_overlapping_the_gguf(float_gguf, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    gguf = models / "tiny.gguf"
+    gguf.write_bytes(float_gguf[0].read_bytes())
+    (models / "notes.txt").write_text("mine")
+    (tmp_path / "link").symlink_to(models)
+    for out, phrase in [(models, "contains"), (tmp_path / "link", "contains"), (gguf, "is")]:
+        with pytest.raises(UserError, match=f"{phrase} the GGUF file"):
+            convert_gguf(gguf, out, overwrite=True)
+    assert sorted(p.name for p in models.iterdir()) == ["notes.txt", "tiny.gguf"]
+    assert gguf.read_bytes() == float_gguf[0].read_bytes()
+
+
+def test_output_under_a_file_is_a_one_line_error(float_gguf, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match="cannot write") as info:
+        convert_gguf(float_gguf[0], tmp_path / "afile" / "model")
+    assert "\n" not in str(info.value) and (tmp_path / "afile").read_text() == "x"
 
 
 # ---------------------------------------------------------------------------------------------
