@@ -7,13 +7,15 @@ equals one process training on the whole global batch. Only rank 0 writes files.
 MLX's collectives block forever when a peer is gone, and ``mlx.launch`` exits 0 even when a
 rank fails. So the backend is initialised explicitly (``strict``), and a watchdog process
 ends a rank with a clear message (and a non-zero exit) when start-up or training makes no
-progress for ``timeout`` seconds: a peer crashed or cannot be reached.
+progress for ``timeout`` seconds: a peer crashed or cannot be reached. It pauses while a rank
+does work that waits on no peer (loading, generating, saving), which can take any time.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -53,6 +55,7 @@ class World:
         self.rank = group.rank() if group is not None else 0
         self.size = group.size() if group is not None else 1
         self._watchdog: _Watchdog | None = None
+        self._local_depth = 0
 
     @property
     def is_main(self) -> bool:
@@ -81,6 +84,22 @@ class World:
         if self._watchdog is not None:
             self._watchdog.beat()
 
+    @contextmanager
+    def local_work(self):
+        """Work that waits on no other rank: no stretch of it can be a lost peer, however long.
+
+        The watchdog's clock restarts when it ends, so a peer lost meanwhile is still noticed
+        in the next collective."""
+        self._local_depth += 1
+        if self._local_depth == 1 and self._watchdog is not None:
+            self._watchdog.pause()
+        try:
+            yield
+        finally:
+            self._local_depth -= 1
+            if self._local_depth == 0 and self._watchdog is not None:
+                self._watchdog.resume()
+
     def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -91,9 +110,9 @@ _WATCHDOG = r"""
 import os, select, signal, sys
 fd, timeout, parent = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 messages = {b"i": sys.argv[4], b"p": sys.argv[5]}
-phase = b"i"
+phase, paused = b"i", False
 while True:
-    ready, _, _ = select.select([fd], [], [], timeout)
+    ready, _, _ = select.select([fd], [], [], None if paused else timeout)
     if not ready:
         sys.stderr.write(messages[phase] + "\n")
         sys.stderr.flush()
@@ -104,6 +123,9 @@ while True:
         break
     if b"p" in data:
         phase = b"p"
+    last = max(data.rfind(b"z"), data.rfind(b"r"))  # the latest of pause (z) and resume (r) holds
+    if last >= 0:
+        paused = data[last:last + 1] == b"z"
 """
 
 
@@ -113,23 +135,25 @@ class _Watchdog:
     A thread cannot do this: MLX's blocking collectives and ``init`` may hold the GIL.
     """
 
-    def __init__(self, rank: int, backend: str, timeout: float):
+    def __init__(self, rank: int, backend: str, timeout: float, parent: int | None = None):
         import subprocess
 
         read, self._write = os.pipe()
-        os.set_blocking(self._write, False)
         starting = (f"error: rank {rank}: the '{backend}' backend could not reach its peers within {timeout:.0f} s "
                     "(check the hostfile, addresses and that every rank was started)")
         stalled = (f"error: rank {rank}: no progress for {timeout:.0f} s; another rank has probably failed or "
                    "cannot be reached (see its output); stopping")
-        self._proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(read), str(timeout), str(os.getpid()),
+        self._proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(read), str(timeout), str(parent or os.getpid()),
                                        starting, stalled], pass_fds=(read,))
         os.close(read)
 
-    def _send(self, byte: bytes) -> None:
+    def _send(self, byte: bytes, wait: bool = False) -> None:
+        """Write one byte; a beat may be dropped on a full pipe (which wakes the watchdog anyway),
+        a pause or resume waits (briefly: the watchdog drains the pipe)."""
+        os.set_blocking(self._write, not wait)
         try:
             os.write(self._write, byte)
-        except (BlockingIOError, BrokenPipeError):
+        except (BlockingIOError, BrokenPipeError):  # broken: the watchdog has ended
             pass
 
     def started(self) -> None:
@@ -137,6 +161,12 @@ class _Watchdog:
 
     def beat(self) -> None:
         self._send(b".")
+
+    def pause(self) -> None:
+        self._send(b"z", wait=True)
+
+    def resume(self) -> None:
+        self._send(b"r", wait=True)
 
     def stop(self) -> None:
         os.close(self._write)

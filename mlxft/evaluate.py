@@ -69,8 +69,8 @@ def evaluate(model, tokenizer, path, *, batch_size: int = 4, max_seq_length: int
     from mlxft import data
     from mlxft.loss import loss_fn
 
-    if batch_size < 1 or max_seq_length < 2:
-        raise UserError("--batch-size must be >= 1 and --max-seq-length >= 2")
+    if batch_size < 1 or max_seq_length < 2 or max_batches < 0:
+        raise UserError("--batch-size must be >= 1, --max-seq-length >= 2 and --max-batches >= 0 (0 = all)")
     path = Path(path)
     dataset = data.load_dataset(path, tokenizer, max_seq_length, completion_only, prompt_format)
     model.eval()
@@ -81,7 +81,10 @@ def evaluate(model, tokenizer, path, *, batch_size: int = 4, max_seq_length: int
         loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
         mx.eval(loss_sum, tokens)
     count = int(tokens.item())
-    loss = loss_sum.item() / max(count, 1)
+    if count == 0:  # a loss of 0 and perplexity of 1 would read as a perfect model
+        raise UserError(f"{path}: no token was scored (no row has a supervised token); "
+                        "give rows with completions or assistant turns, or pass --no-completion-only")
+    loss = loss_sum.item() / count
     return Evaluation(loss, math.exp(min(loss, 700.0)), count, len(dataset), path)
 
 

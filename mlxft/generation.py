@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxft.data import read_jsonl
+from mlxft.errors import UserError
 
 
 @dataclass
@@ -29,7 +30,14 @@ def normalize(text: str) -> str:
 def prompt_ids(tokenizer, messages: list[dict], prompt_format: str = "auto") -> list[int]:
     use_chat = prompt_format == "chat" or (prompt_format == "auto" and getattr(tokenizer, "chat_template", None))
     if use_chat:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not getattr(tokenizer, "chat_template", None):  # as training checks (data.encode_chat)
+            raise UserError("--prompt-format chat needs a tokenizer with a chat template; this model's tokenizer "
+                            "has none; use --prompt-format raw")
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # jinja raises its own exception types for template errors
+            raise UserError(f"the chat template rejected the prompt's messages ({str(err).splitlines()[0]}); "
+                            "leave out --system if the template takes none, or use --prompt-format raw") from err
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(messages[-1]["content"], add_special_tokens=True))
 

@@ -117,10 +117,11 @@ class Trainer:
             self.valid_file = datasets[1].path if datasets[1] is not None else None
 
         if model is None:
-            model, tokenizer, _, _ = models.load(
-                builtin.resolve(config.model.model), config.model.dtype, config.model.quantize,
-                config.model.quantize_group_size, config.model.revision,
-            )
+            with self.world.local_work():  # a download or a large model may take longer than --dist-timeout
+                model, tokenizer, _, _ = models.load(
+                    builtin.resolve(config.model.model), config.model.dtype, config.model.quantize,
+                    config.model.quantize_group_size, config.model.revision,
+                )
         self.model, self.tokenizer = model, tokenizer
         if config.adapter.init_adapter:
             from mlxft.adapters import start_from
@@ -138,8 +139,9 @@ class Trainer:
         load = partial(data.load_dataset, tokenizer=tokenizer, max_seq_length=config.data.max_seq_length,
                        completion_only=config.data.completion_only, prompt_format=config.data.prompt_format)
         if datasets is None:
-            self.train_set = load(self.train_file)
-            self.valid_set = load(self.valid_file) if self.valid_file else None
+            with self.world.local_work():  # so may tokenizing a large dataset
+                self.train_set = load(self.train_file)
+                self.valid_set = load(self.valid_file) if self.valid_file else None
         else:
             self.train_set, self.valid_set = datasets
 
@@ -161,7 +163,8 @@ class Trainer:
         # Marks this run's checkpoints, so pruning never deletes another run's (or a user's) directories.
         self.run_id = uuid.uuid4().hex
         self.tokenizer_saved = False
-        forced = self._restore(resume_from) if resume_from else []
+        with self.world.local_work():
+            forced = self._restore(resume_from) if resume_from else []
         self.step = build_step(model, self.optimizer, partial(loss_fn, label_smoothing=config.optim.label_smoothing,
                                                                   chunk=config.model.loss_chunk),
                                config.optim.max_grad_norm, reduce=self.world.all_sum if self.world.size > 1 else None)
@@ -384,7 +387,8 @@ class Trainer:
         """Exact-match of greedy answers on the first validation rows (the training rows if none)."""
         source = self.valid_file or self.train_file
         pairs = generation.qa_pairs(source, self.config.train.exact_match_rows)
-        score, answers = generation.exact_match(self.model, self.tokenizer, pairs, self.config.data.prompt_format)
+        with self.world.local_work():  # every rank generates; it takes as long as it takes
+            score, answers = generation.exact_match(self.model, self.tokenizer, pairs, self.config.data.prompt_format)
         self.reporter.exact_match(self.step_count, score, len(answers), when)
         return score, answers
 
@@ -400,10 +404,11 @@ class Trainer:
             self._evaluate()
         if self._saves_after(k):
             tic = time.perf_counter()
-            self.save()
-            self.save_checkpoint("step")
-            if self.world.is_main:
-                checkpoint.prune_checkpoints(self.run_dir, t.keep_checkpoints, self.run_id)
+            with self.world.local_work():
+                self.save()
+                self.save_checkpoint("step")
+                if self.world.is_main:
+                    checkpoint.prune_checkpoints(self.run_dir, t.keep_checkpoints, self.run_id)
             self.reporter.pause_clock(time.perf_counter() - tic)
 
     @property
@@ -491,9 +496,11 @@ class Trainer:
         if self.window is not None:
             grads, loss_sum, tokens = self.window
             window = {**dict(tree_flatten(gradient_tree(grads, self.layout))), "mlxft.loss_sum": loss_sum, "mlxft.tokens": tokens}
-        path = checkpoint.save_checkpoint(
-            self.run_dir, checkpoint.checkpoint_name(self.step_count, kind), self.model, self.adapter_metadata(),
-            moments, window, self.resume_state(), self.config.to_dict())
+        # The other ranks wait for it in their next collective: --dist-timeout must cover a save.
+        with self.world.local_work():
+            path = checkpoint.save_checkpoint(
+                self.run_dir, checkpoint.checkpoint_name(self.step_count, kind), self.model, self.adapter_metadata(),
+                moments, window, self.resume_state(), self.config.to_dict())
         self.reporter.info(f"checkpoint {path}")
         return path
 
@@ -524,10 +531,12 @@ class Trainer:
     def save(self) -> None:
         if not self.world.is_main:
             return
-        if self.tokenizer is not None and not self.tokenizer_saved:  # files already there may be another model's
-            checkpoint.save_tokenizer(self.run_dir, self.tokenizer)
-            self.tokenizer_saved = True
-        checkpoint.save_run(self.run_dir, self.model, self.adapter_metadata(), self.config.to_dict(), self.training_state())
+        with self.world.local_work():
+            if self.tokenizer is not None and not self.tokenizer_saved:  # files already there may be another model's
+                checkpoint.save_tokenizer(self.run_dir, self.tokenizer)
+                self.tokenizer_saved = True
+            checkpoint.save_run(self.run_dir, self.model, self.adapter_metadata(), self.config.to_dict(),
+                                self.training_state())
         self.reporter.info(f"saved {self.run_dir} at step {self.step_count}")
 
 

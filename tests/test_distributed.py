@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +15,9 @@ import pytest
 import mlx.core as mx
 
 from conftest import write_jsonl
+from mlxft import distributed, generation
+from mlxft.config import RunConfig
+from mlxft.trainer import Trainer
 
 
 def free_ports(n):
@@ -137,3 +141,33 @@ def test_a_dead_rank_stops_the_other(llama_dir, uneven_data, tmp_path):
     code, _, err = results[0]
     # Either the ring notices the closed socket, or the watchdog notices the silence.
     assert code != 0 and ("another rank failed" in err or "no progress for 6 s" in err) and "Traceback" not in err
+
+
+def test_watchdog_pauses_for_local_work_only():
+    """Generating, loading or saving (local work) may outlast --dist-timeout; silence after it may not."""
+    victim = subprocess.Popen(["sleep", "30"])  # stands in for the rank the watchdog guards
+    world = distributed.World()
+    world._watchdog = distributed._Watchdog(0, "ring", 0.5, parent=victim.pid)
+    try:
+        world._watchdog.started()
+        with world.local_work():
+            with world.local_work():  # nested: its end must not restart the clock yet
+                pass
+            time.sleep(1.2)
+        assert victim.poll() is None
+        assert victim.wait(timeout=10) == -signal.SIGKILL  # no heartbeat after the local work
+    finally:
+        victim.kill()
+        world.close()
+
+
+def test_exact_match_generation_counts_as_local_work(uneven_data, monkeypatch):
+    world = distributed.World()
+    depth = []
+    monkeypatch.setattr(generation, "exact_match", lambda *args: depth.append(world._local_depth) or (1.0, []))
+    config = RunConfig()
+    config.train.exact_match_rows = 2
+    trainer = SimpleNamespace(world=world, valid_file=uneven_data / "valid.jsonl", config=config, model=None,
+                              tokenizer=None, step_count=0, reporter=SimpleNamespace(exact_match=lambda *args: None))
+    Trainer._exact_match(trainer, "before training")
+    assert depth == [1] and world._local_depth == 0

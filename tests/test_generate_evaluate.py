@@ -6,10 +6,13 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
 
 from mlxft import adapters, data
+from mlxft.errors import UserError
 from mlxft.evaluate import evaluate, main as evaluate_main
 from mlxft.generate import main as generate_main
 from mlxft.generation import prompt_ids
@@ -59,3 +62,29 @@ def test_evaluate_is_token_weighted_and_matches_the_trainer(llama_dir, runs_root
     assert "does not exist" in capsys.readouterr().err
     assert generate_main(["--adapter", str(runs_root / "no-run"), "--prompt", "hi"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_chat_prompts_need_a_template_that_takes_them(tokenizer, monkeypatch):
+    hf = tokenizer._tokenizer  # the wrapped transformers tokenizer: its own errors are tracebacks
+    user = [{"role": "user", "content": "hi"}]
+    monkeypatch.setattr(hf, "chat_template", "{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}"
+                                             "{% endif %}{{ messages[-1].content }}")
+    assert tokenizer.decode(prompt_ids(tokenizer, user, "chat")) == "hi"
+    with pytest.raises(UserError, match=r"rejected the prompt's messages \(no system role\); leave out --system"):
+        prompt_ids(tokenizer, [{"role": "system", "content": "be brief"}, *user], "chat")
+    monkeypatch.setattr(hf, "chat_template", None)
+    with pytest.raises(UserError, match="needs a tokenizer with a chat template"):
+        prompt_ids(tokenizer, user, "chat")
+    assert prompt_ids(tokenizer, user, "auto") == prompt_ids(tokenizer, user, "raw")  # auto: raw without a template
+
+
+def test_evaluate_refuses_a_negative_cap_and_an_unscored_set(tokenizer, runs_root, monkeypatch):
+    from mlxft import loss
+
+    valid = data_dir(runs_root) / "valid.jsonl"
+    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    with pytest.raises(UserError, match="--max-batches >= 0"):
+        evaluate(model, tokenizer, valid, max_batches=-1)
+    monkeypatch.setattr(loss, "loss_fn", lambda *args: (mx.array(0.0), mx.array(0.0)))  # nothing supervised
+    with pytest.raises(UserError, match="no token was scored"):
+        evaluate(model, tokenizer, valid)
