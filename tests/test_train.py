@@ -203,7 +203,7 @@ def test_queued_steps_report_what_synchronous_steps_report(llama_dir, chat_data,
     for run_ahead in (True, False):
         if not run_ahead:
             monkeypatch.setattr(Trainer, "_may_run_ahead", lambda self, step: False)
-        cfg = config(llama_dir, chat_data, tmp_path / f"ahead-{run_ahead}", epochs=3, grad_accum_steps=accum, eval_every=0)
+        cfg = config(llama_dir, chat_data, tmp_path / f"ahead-{run_ahead}", epochs=2, grad_accum_steps=accum, eval_every=0)
         cfg.optim.warmup_steps = 4
         trainer = Trainer(cfg)
         queued, finish = [], trainer._finish
