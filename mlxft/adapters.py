@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxft import builtin, checkpoint, lora, models
 from mlxft.config import AdapterConfig
-from mlxft.errors import UserError
+from mlxft.errors import UserError, first_line
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -497,7 +497,7 @@ def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int
         tokenizer = run_tokenizer(Path(tokenizer_dir), config) if tokenizer_dir else None
         tokenizer = tokenizer or load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise UserError(f"cannot load model from {path}: {first}") from err
     model.set_dtype(models.resolve_dtype(dtype))
     if quantize and not models.is_quantized(model):

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import yaml
 from mlx.utils import tree_flatten
 
-from mlxft.errors import UserError
+from mlxft.errors import UserError, first_line
 
 ADAPTER_FILE = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -68,7 +68,7 @@ def save_safetensors(path, arrays: dict[str, mx.array], metadata: dict[str, str]
     try:
         mx.save_safetensors(str(path), arrays, **({"metadata": metadata} if metadata is not None else {}))
     except RuntimeError as err:
-        raise OSError(str(err).splitlines()[0].rstrip(".")) from err
+        raise OSError(first_line(err).rstrip(".")) from err
 
 
 def atomic_write(path: Path, write) -> None:
@@ -202,7 +202,7 @@ def load_adapter_weights(path: Path) -> tuple[dict[str, mx.array], dict[str, str
     try:
         weights, metadata = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as err:
-        raise UserError(f"{path} is not a readable safetensors file ({str(err).splitlines()[0]}); it may be truncated") from err
+        raise UserError(f"{path} is not a readable safetensors file ({first_line(err)}); it may be truncated") from err
     return weights, metadata or {}
 
 
@@ -398,7 +398,7 @@ def _read_safetensors(path: Path) -> dict[str, mx.array]:
     try:
         return mx.load(str(path))
     except (RuntimeError, ValueError, OSError) as err:
-        raise UserError(f"{path} is not a readable safetensors file ({str(err).splitlines()[0]}); it may be truncated") from err
+        raise UserError(f"{path} is not a readable safetensors file ({first_line(err)}); it may be truncated") from err
 
 
 # What a resume reads from a checkpoint's trainer_state.json and config.yaml.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxft.errors import UserError
+from mlxft.errors import UserError, first_line
 
 # Batches are sorted by length inside windows of this many batches: little padding,
 # while the order still mixes the whole dataset every epoch.
@@ -300,7 +300,7 @@ def encode_chat(tokenizer, messages: list, completion_only: bool, where: str) ->
     try:
         full = _render(tokenizer, messages, False)
     except Exception as err:  # jinja raises its own exception types for template errors
-        raise UserError(f"{where}: the chat template rejected these messages ({str(err).splitlines()[0]})") from err
+        raise UserError(f"{where}: the chat template rejected these messages ({first_line(err)})") from err
     spans = _incremental_spans(tokenizer, messages, full) or _content_spans(tokenizer, messages, full, where)
     segments: list[tuple[str, bool]] = []
     done = 0

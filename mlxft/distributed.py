@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from mlxft.errors import UserError
+from mlxft.errors import UserError, first_line
 
 # Environment variables each backend's launcher sets, in order of precedence.
 _LAUNCH_ENV = (
@@ -186,7 +186,7 @@ def init(backend: str = "auto", timeout: float = 600.0) -> World:
         group = mx.distributed.init(strict=True, backend=backend)
     except Exception as err:  # MLX raises RuntimeError subclasses with the reason
         watchdog.stop()
-        raise UserError(f"cannot start the '{backend}' distributed backend: {str(err).splitlines()[0]}") from err
+        raise UserError(f"cannot start the '{backend}' distributed backend: {first_line(err)}") from err
     watchdog.started()
     world = World(group)
     world._watchdog = watchdog

@@ -19,6 +19,12 @@ class UserError(Exception):
 EXIT_USER_ERROR = 2
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message, for quoting in a one-line error; its type's
+    name when the message is empty (some library errors carry none)."""
+    return next(iter(str(err).strip().splitlines()), type(err).__name__)
+
+
 def run_cli(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
     """Wrap a CLI ``main(argv)`` so user errors print one line and exit with code 2.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxft.data import read_jsonl
-from mlxft.errors import UserError
+from mlxft.errors import UserError, first_line
 
 
 @dataclass
@@ -36,7 +36,7 @@ def prompt_ids(tokenizer, messages: list[dict], prompt_format: str = "auto") -> 
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as err:  # jinja raises its own exception types for template errors
-            raise UserError(f"the chat template rejected the prompt's messages ({str(err).splitlines()[0]}); "
+            raise UserError(f"the chat template rejected the prompt's messages ({first_line(err)}); "
                             "leave out --system if the template takes none, or use --prompt-format raw") from err
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(messages[-1]["content"], add_special_tokens=True))

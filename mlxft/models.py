@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxft.errors import UserError
+from mlxft.errors import UserError, first_line
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -47,7 +47,7 @@ def resolve_model_path(name: str, revision: str = "") -> Path:
             "connect to the internet once or pass a local model directory"
         ) from err
     except (HfHubHTTPError, OSError, ValueError) as err:
-        raise UserError(f"cannot download model {name}: {str(err).splitlines()[0]}") from err
+        raise UserError(f"cannot download model {name}: {first_line(err)}") from err
 
 
 def resolve_dtype(name: str) -> mx.Dtype:
@@ -66,7 +66,7 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
         model, config = load_model(path)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise UserError(f"cannot load model from {path}: {first}") from err
     model.set_dtype(resolve_dtype(dtype))
     if quantize:

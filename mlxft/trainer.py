@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 from mlxft import _blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, packing
 from mlxft.config import RunConfig, validate
-from mlxft.errors import UserError
+from mlxft.errors import UserError, first_line
 from mlxft.loss import cross_entropy, hidden_loss, loss_fn
 from mlxft.optim import build_optimizer
 from mlxft.report import Reporter
@@ -202,7 +202,7 @@ class Trainer:
             try:
                 self.estimate = self.estimate_memory()
             except (AttributeError, TypeError, ValueError) as err:  # an architecture the probes do not fit
-                info(f"no memory estimate for this model ({type(err).__name__}: {str(err).splitlines()[0]})")
+                info(f"no memory estimate for this model ({type(err).__name__}: {first_line(err)})")
                 return
             limit = mx.get_memory_limit()
             info(f"estimated peak memory: {self.estimate.describe()}")
@@ -245,12 +245,12 @@ class Trainer:
         except RuntimeError as err:
             if memory.is_out_of_memory(err):
                 raise TrainingStopped(
-                    f"out of memory at step {self.step_count + 1} ({str(err).splitlines()[0]}); "
+                    f"out of memory at step {self.step_count + 1} ({first_line(err)}); "
                     + memory.advice(self.config) + "; then --resume latest to continue from the last checkpoint",
                     1, None) from err
             if self.world.size == 1:
                 raise
-            raise distributed.PeerLost(f"rank {self.world.rank}: {str(err).splitlines()[0]}; another rank failed "
+            raise distributed.PeerLost(f"rank {self.world.rank}: {first_line(err)}; another rank failed "
                                        "or became unreachable (see its output)") from err
 
     def _train(self) -> TrainResult:

@@ -297,3 +297,10 @@ def test_train_file_without_model_is_not_the_default_job(tmp_path, capsys, monke
         assert main([flag, str(path)]) == 2
         out, err = capsys.readouterr()
         assert "default job" not in out and err == "error: config field model.model: no model given; pass --model DIR_OR_REPO\n"
+
+
+def test_one_line_errors_quote_an_empty_message_by_its_type():
+    from mlxft.errors import first_line
+
+    assert first_line(ValueError()) == "ValueError"
+    assert first_line(RuntimeError("\nwhat went wrong\nthe details")) == "what went wrong"
