@@ -9,6 +9,7 @@ order depends on nothing but the seed and the epoch number.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -209,6 +210,14 @@ def _incremental_spans(tokenizer, messages: list, full: str) -> list[tuple[int, 
 
 
 def _end_of_turn(tokenizer) -> str:
+    """The text a template puts after an assistant turn's content (see :func:`_probe_end_of_turn`)."""
+    return _probe_end_of_turn(tokenizer, getattr(tokenizer, "chat_template", None))
+
+
+# Once per tokenizer and template, not per row: the probe renders two chats and encodes
+# a dozen strings (4 ms with Qwen3's), and every multi-turn row that rewrites earlier turns asks.
+@functools.lru_cache(maxsize=4)
+def _probe_end_of_turn(tokenizer, template) -> str:
     """The text a template puts after an assistant turn's content, from a two-turn probe.
 
     It is what follows the first answer both when the chat ends there and when it goes on:
