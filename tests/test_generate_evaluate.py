@@ -88,3 +88,28 @@ def test_evaluate_refuses_a_negative_cap_and_an_unscored_set(tokenizer, runs_roo
     monkeypatch.setattr(loss, "loss_fn", lambda *args: (mx.array(0.0), mx.array(0.0)))  # nothing supervised
     with pytest.raises(UserError, match="no token was scored"):
         evaluate(model, tokenizer, valid)
+
+
+def test_exact_match_answers_are_each_prompts_greedy_continuation(model_dir):
+    # The prompts are decoded together, left-padded to the longest: padding must change no
+    # prompt's answer, which is checked against a plain argmax over the whole sequence.
+    from mlxft import generation, models
+
+    model, tokenizer, *_ = models.load(str(model_dir), dtype="float32")
+    questions = ["Hi", "What is the capital of France?", "Name three colours of the rainbow, please, in order"]
+    pairs = []
+    for question in questions:
+        messages = [{"role": "user", "content": question}]
+        ids = prompt_ids(tokenizer, messages, "raw")
+        answer = []
+        for _ in range(6):
+            token = mx.argmax(model(mx.array([ids + answer]))[0, -1]).item()
+            if token in tokenizer.eos_token_ids:
+                break
+            answer.append(token)
+        pairs.append((messages, tokenizer.decode(answer)))
+    score, answers = generation.exact_match(model, tokenizer, pairs, "raw", max_tokens=6)
+    assert [a.generated for a in answers] == [reference.strip() for _, reference in pairs]
+    assert score == 1.0
+    wrong = [(messages, reference + " and more") for messages, reference in pairs]
+    assert generation.exact_match(model, tokenizer, wrong, "raw", max_tokens=6)[0] == 0.0
