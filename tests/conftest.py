@@ -7,6 +7,8 @@ every test trains on the CPU in seconds.
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -17,6 +19,37 @@ import pytest
 import mlxft  # noqa: F401 - preloads an optimized BLAS before MLX is imported
 import mlx.core as mx
 from mlx.utils import tree_flatten
+
+
+def _cache_tokenizers() -> None:
+    """Parse each distinct tokenizer once per test process.
+
+    Qwen3's tokenizer takes 1.4 s to load (an 11 MB tokenizer.json), and a test suite that
+    builds a trainer per test spent about 30% of its time there. Loads are keyed on the bytes
+    of every file in the directory but the weights, so a run whose tokenizer files differ still
+    gets its own; each caller gets its own wrapper and EOS set, sharing only the parsed
+    tokenizer, which mlxft never mutates (the one test that does so monkeypatches and restores).
+    Command-line runs in subprocesses load theirs as users do."""
+    import mlx_lm.utils
+
+    load, parsed = mlx_lm.utils.load_tokenizer, {}
+
+    def cached(model_path, *args, **kwargs):
+        digest = hashlib.sha256(repr((args, sorted(kwargs.items()))).encode())
+        for file in sorted(Path(model_path).iterdir()):
+            if file.is_file() and file.suffix not in (".safetensors", ".gguf"):
+                digest.update(file.name.encode() + b"\0" + file.read_bytes())
+        key = digest.hexdigest()
+        if key not in parsed:
+            parsed[key] = load(model_path, *args, **kwargs)
+        wrapper = copy.copy(parsed[key])
+        wrapper._eos_token_ids = set(wrapper._eos_token_ids)
+        return wrapper
+
+    mlx_lm.utils.load_tokenizer = cached
+
+
+_cache_tokenizers()
 
 VOCAB = 151936  # Qwen3's embedding rows (tokenizer ids fit below it)
 

@@ -98,7 +98,7 @@ def test_two_ranks_equal_one_process(llama_dir, uneven_data, tmp_path):
 
 def test_interrupted_distributed_run_resumes_exactly(llama_dir, uneven_data, tmp_path):
     full = tmp_path / "full"
-    base = ["--epochs", 6, "--grad-accum-steps", 2]  # 12 steps: the signal lands well before the end
+    base = ["--epochs", 4, "--grad-accum-steps", 2]  # 8 steps: the signal lands well before the end
     results = launch(tmp_path, train_args(llama_dir, uneven_data, full, *base))
     assert [r[0] for r in results] == [0, 0]
 

@@ -98,7 +98,7 @@ def test_loss_falls_on_a_learnable_task(llama_dir, tmp_path, finetune, lr, ratio
     data = tmp_path / "data"
     write_jsonl(data / "train.jsonl", rows[:20])
     write_jsonl(data / "valid.jsonl", rows[20:])
-    cfg = config(llama_dir, data, tmp_path / "run", epochs=6, log_every=100)
+    cfg = config(llama_dir, data, tmp_path / "run", epochs=3, log_every=100)
     cfg.adapter.finetune, cfg.optim.learning_rate = finetune, lr
     trainer = Trainer(cfg)
     before, _ = trainer.evaluate()
