@@ -442,12 +442,15 @@ def load_checkpoint(path: Path) -> dict:
 # differ; the rest change the run's meaning but not its tensors, so --force may override.
 RESUME_FIXED = ("adapter.finetune", "adapter.targets", "adapter.rank", "adapter.num_layers", "model.quantize",
                 "optim.optimizer")  # another optimizer's moments are not this one's
-RESUME_FORCEABLE = ("model.model", "data.max_seq_length", "adapter.alpha", "adapter.dropout", "train.seed",
-                    "train.batch_size", "train.grad_accum_steps")
+RESUME_FORCEABLE = ("model.model", "model.dtype", "data.max_seq_length", "data.pack", "adapter.alpha",
+                    "adapter.dropout", "train.seed", "train.batch_size", "train.grad_accum_steps")
 
 
-def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: bool) -> list[str]:
-    """Refuse a resume whose settings differ from the checkpoint's; return forced differences."""
+def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: bool,
+                 saved_data: str | None = None, train_data: str | None = None) -> list[str]:
+    """Refuse a resume whose settings or training data differ from the checkpoint's; return
+    the differences ``force`` let through. ``saved_data`` and ``train_data`` are training-set
+    fingerprints (:attr:`mlxft.data.Dataset.fingerprint`; checkpoints before them have none)."""
 
     def get(config, dotted):
         section, key = dotted.split(".")
@@ -462,4 +465,38 @@ def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: 
             hint = "" if field_name in RESUME_FIXED else " (pass --force to resume anyway)"
             raise UserError(f"cannot resume: {field_name} is {new!r} but the checkpoint was trained with {old!r}{hint}")
         forced.append(f"{field_name}: {old!r} -> {new!r}")
+    if saved_data is not None and saved_data != train_data:
+        if not force:
+            raise UserError("cannot resume: the training data differs from the checkpoint's (another file, edited "
+                            "rows, or another tokenizer or max_seq_length), so the run would not continue where it "
+                            "stopped (pass --force to resume anyway)")
+        forced.append("training data changed")
     return forced
+
+
+def drop_metrics_after(run_dir: Path, step: int) -> int:
+    """Remove ``metrics.jsonl``'s records of steps after ``step``, and a line a kill cut short.
+
+    A run killed after its last checkpoint had logged steps that the resumed run trains
+    again and logs anew; kept, they would appear twice, with the discarded values first.
+    Returns how many lines went."""
+    path = Path(run_dir) / METRICS_FILE
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read {path} ({first_line(err)}); move it aside to resume") from err
+
+    def kept(line: str) -> bool:
+        try:
+            record = json.loads(line)
+        except ValueError:  # cut short by a kill
+            return False
+        at = record.get("step") if isinstance(record, dict) else None
+        return not isinstance(at, int) or at <= step
+
+    keep = [line if line.endswith("\n") else line + "\n" for line in lines if kept(line)]
+    if keep != lines:
+        write_text(path, "".join(keep))
+    return len(lines) - len(keep)

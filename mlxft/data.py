@@ -10,6 +10,7 @@ order depends on nothing but the seed and the epoch number.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -57,6 +58,17 @@ class Dataset:
     @property
     def supervised_tokens(self) -> int:
         return sum(e.supervised for e in self.examples)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A digest of every row's token ids and supervision mask, in order: it changes when the
+        file, its rows, the tokenizer or the truncation length do, and with it the batches an
+        epoch holds (which is what a resumed run must agree on)."""
+        digest = hashlib.sha256()
+        for e in self.examples:
+            ids = np.ascontiguousarray(e.ids, np.int32)
+            digest.update(len(ids).to_bytes(8, "little") + ids.tobytes() + np.packbits(e.mask).tobytes())
+        return digest.hexdigest()[:32]
 
 
 def resolve_files(data: str, train_file: str, valid_file: str) -> tuple[Path, Path | None]:

@@ -179,11 +179,15 @@ class Trainer:
                 if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
                     checkpoint.remove_checkpoints(self.run_dir)
                 checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
+        dropped = checkpoint.drop_metrics_after(self.run_dir, self.step_count) if resume_from and self.world.is_main else 0
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
         self._describe()
         if resume_from:
             self.reporter.info(f"resumed from {resume_from} at step {self.step_count} (epoch {self.epoch + 1}, "
                                f"micro-batch {self.batch_index})" + (f"; forced: {'; '.join(forced)}" if forced else ""))
+        if dropped:
+            self.reporter.info(f"{checkpoint.METRICS_FILE}: removed {dropped} records of steps after {self.step_count}, "
+                               "which this run trains again")
 
     def _describe(self) -> None:
         trainable, total = models.count_parameters(self.model)
@@ -469,6 +473,7 @@ class Trainer:
             "task": self.train_set.kind,
             "model": c.model.model,
             "dataset": str(self.train_file),
+            "train_data": self.train_set.fingerprint,
             "seed": c.train.seed,
             "skipped_steps": self.skipped_steps,
         }
@@ -509,7 +514,7 @@ class Trainer:
         saved = checkpoint.load_checkpoint(path)
         state = saved["state"]
         forced = checkpoint.check_resume(saved["config"], self.config.to_dict(), state.get("task"), self.train_set.kind,
-                                         self.config.train.force)
+                                         self.config.train.force, state.get("train_data"), self.train_set.fingerprint)
         checkpoint.apply_adapter_weights(self.model, saved["adapters"], str(path / checkpoint.ADAPTER_FILE))
         optimizer = dict(saved["optimizer"])
         self.optimizer.init(self.model.trainable_parameters())

@@ -114,6 +114,43 @@ def test_resume_refuses_other_settings(llama_dir, uninterrupted, tmp_path):
         Trainer(longer)
     longer.train.force = True
     assert Trainer(longer).step_count == 2
+    in_bf16 = config(llama_dir, data, out, resume="latest", max_steps=4)
+    in_bf16.model.dtype = "bfloat16"
+    with pytest.raises(UserError, match=r"model.dtype is 'bfloat16' but .* \(pass --force"):
+        Trainer(in_bf16)
+
+
+def test_resume_refuses_other_training_data(llama_dir, uninterrupted, tmp_path, capsys):
+    data, out = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(uninterrupted[0], data)
+    Trainer(config(llama_dir, data, out, max_steps=2)).train()
+    rows = (data / "train.jsonl").read_text().splitlines()
+    rows[3] = rows[3].replace("plus", "times")  # one edited row: the same count, other tokens
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
+    resumed = config(llama_dir, data, out, resume="latest", max_steps=4)
+    with pytest.raises(UserError, match=r"training data differs from the checkpoint's .*\(pass --force"):
+        Trainer(resumed)
+    resumed.train.force = True
+    assert Trainer(resumed).step_count == 2
+    assert "forced: training data changed" in capsys.readouterr().out
+
+
+def test_resume_drops_the_metrics_of_steps_it_trains_again(llama_dir, uninterrupted, tmp_path, capsys):
+    # As after a SIGKILL at step 4: logged up to there, the last checkpoint at step 2, a line cut short.
+    data, out = uninterrupted[0], tmp_path / "run"
+    Trainer(config(llama_dir, data, out, max_steps=4)).train()
+    metrics = out / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"type": "train", "st')
+    before = [json.loads(line) for line in metrics.read_text().splitlines()[:-1]]
+    assert max(r["step"] for r in before) == 4
+    shutil.rmtree(out / "final")
+    (out / "latest").unlink()
+    os.symlink("checkpoint-2", out / "latest")
+    Trainer(config(llama_dir, data, out, max_steps=4, resume="latest")).train()
+    assert "metrics.jsonl: removed 3 records of steps after 2" in capsys.readouterr().out  # steps 3, 4, the cut line
+    after = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["type"], r["step"]) for r in after] == [(r["type"], r["step"]) for r in before]
 
 
 def test_retention_keeps_the_newest_and_never_final_emergency_or_others(tmp_path):
