@@ -339,14 +339,21 @@ def attach(model: nn.Module, spec: AdapterSpec, weights: dict[str, mx.array]) ->
 def _apply_or_restore(model: nn.Module, config, seed: int, weights: dict[str, mx.array], source: str,
                       scale: float | None = None) -> list[str]:
     """``lora.apply`` then load ``weights``; if they do not fit (a shape, a missing tensor),
-    put the original layers back before raising, so a refused adapter leaves no trace."""
+    put the original layers back before raising, so a refused adapter leaves no trace.
+
+    A layer inside the span that holds no tensor at all (PEFT's ``layers_to_transform`` may
+    pick any layers, where mlx-lm's layout is the last N) keeps its fresh initialisation,
+    which changes nothing: ``lora_b`` starts at zero, and DoRA's magnitude at the weight's norm."""
     layers = lora.selected_layers(model, config.num_layers)
     originals = [(layer, list(layer.named_modules())) for layer in layers]
     targets = lora.apply(model, config, seed)
     try:
         if scale is not None:
             set_scale(model, scale)  # exactly the stored scale, not alpha / rank recomputed
-        checkpoint.apply_adapter_weights(model, weights, source)
+        held = {match["layer"] for match in map(_ADAPTER_TENSOR.match, weights) if match}
+        fresh = {name: value for name, value in checkpoint.trainable_weights(model).items()
+                 if held and (match := _ADAPTER_TENSOR.match(name)) and match["layer"] not in held}
+        checkpoint.apply_adapter_weights(model, {**fresh, **weights}, source)
     except UserError:
         for layer, modules in originals:
             replaced = [(name, module) for name, module in modules if name in targets]

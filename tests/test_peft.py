@@ -91,3 +91,33 @@ def test_adapter_written_by_peft_loads_into_mlxft(family, llama_dir, lfm2_dir, r
     adapters.start_from(model, AdapterConfig(**settings), tmp_path / "peft")
     trainable = dict(tree_flatten(model.trainable_parameters()))
     assert set(trainable) == {k for k, _ in tree_flatten(loaded.model.trainable_parameters())}
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_peft_adapter_on_layers_mlx_lm_cannot_name_loads_exactly(family, llama_dir, lfm2_dir, runs_root, tmp_path):
+    # mlx-lm's layout is "the last N layers"; PEFT may pick the first layer alone, or skip one.
+    model_dir = {"llama": llama_dir, "lfm2": lfm2_dir}[family]
+    base_dir = hf_base(model_dir, runs_root)
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"] if family == "llama" else ["w1", "w2"],
+                             use_dora=family == "lfm2", layers_to_transform=[0] if family == "llama" else [0, 2],
+                             layers_pattern="layers")
+    peft_model = peft.get_peft_model(load_torch(base_dir), config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+
+    loaded = adapters.load_with_adapter(str(base_dir), str(tmp_path / "peft"))
+    assert max_rel_diff(logits(loaded.model), torch_logits(peft_model)) < TOLERANCE
+    assert max_rel_diff(logits(base_model(base_dir)), logits(loaded.model)) > 1e-3  # the adapter matters
+    # The layers between hold a fresh adapter that changes nothing until trained.
+    between = loaded.model.layers[1].self_attn.q_proj if family == "llama" else loaded.model.layers[1].feed_forward.w1
+    assert not np.any(np.array(between.lora_b))
+
+    model = base_model(base_dir)
+    settings = adapters.run_settings(tmp_path / "peft", model)
+    assert settings["num_layers"] == len(model.layers)
+    adapters.start_from(model, AdapterConfig(**settings), tmp_path / "peft")
+    assert max_rel_diff(logits(model), logits(loaded.model)) < TOLERANCE
