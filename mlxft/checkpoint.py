@@ -285,22 +285,69 @@ def save_checkpoint(run_dir: Path, name: str, model, metadata: dict, optimizer_s
     run_dir = Path(run_dir)
     final = run_dir / name
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=run_dir))
+    held = None
     try:
         _usual_mode(tmp, directory=True)
         _write_checkpoint_files(tmp, model, metadata, optimizer_state, window, trainer_state, config)
+        held = _hold_latest(run_dir, final)
         replace_directory(tmp, final)  # re-saving a step (e.g. final after a resume) swaps
-        link = run_dir / f".{LATEST}.{os.getpid()}.tmp"
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        os.symlink(name, link)
-        os.replace(link, run_dir / LATEST)
-        _fsync_dir(run_dir)
+        _point_latest(run_dir, name)
     except OSError as err:
         raise UserError(f"cannot write checkpoint {final}: {err.strerror or err}; free disk space (earlier checkpoints are intact)") from err
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if held is not None:
+            _release_latest(run_dir, held, name)
     return final
+
+
+def _point_latest(run_dir: Path, name: str) -> None:
+    """Point ``latest`` at ``name`` in one rename."""
+    link = run_dir / f".{LATEST}.{os.getpid()}.tmp"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    os.symlink(name, link)
+    os.replace(link, run_dir / LATEST)
+    _fsync_dir(run_dir)
+
+
+def _link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst)  # a checkpoint's files are never rewritten in place
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _hold_latest(run_dir: Path, final: Path) -> Path | None:
+    """When ``latest`` points at ``final``, which is about to be swapped (re-saving a step, final
+    after a resume), point it at a hard-linked copy first: between moving the old ``final``
+    aside and renaming the new one in, ``latest`` would otherwise point at nothing. The copy
+    is hidden (``.old``: never taken for a partial save); returns it, or None."""
+    if not final.is_dir() or (run_dir / LATEST).resolve() != final.resolve():
+        return None
+    held = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=run_dir))
+    try:
+        _usual_mode(held, directory=True)
+        shutil.copytree(final, held, dirs_exist_ok=True, copy_function=_link_or_copy)
+        _fsync_dir(held)
+        _point_latest(run_dir, held.name)
+    except BaseException:
+        shutil.rmtree(held, ignore_errors=True)
+        raise
+    return held
+
+
+def _release_latest(run_dir: Path, held: Path, name: str) -> None:
+    """Point ``latest`` back at ``name`` if it still names the held copy (a failed swap put the
+    old directory back), then delete the copy."""
+    try:
+        if (run_dir / LATEST).resolve() == held.resolve() and (run_dir / name).is_dir():
+            _point_latest(run_dir, name)
+    except OSError:
+        pass
+    if (run_dir / LATEST).resolve() != held.resolve():
+        shutil.rmtree(held, ignore_errors=True)
 
 
 def _checkpoint_state(path: Path) -> dict | None:
@@ -417,8 +464,8 @@ def load_checkpoint(path: Path) -> dict:
     try:
         state = json.loads((path / TRAINER_STATE).read_text())
         config = yaml.safe_load((path / CONFIG_FILE).read_text())
-    except (OSError, json.JSONDecodeError, yaml.YAMLError) as err:
-        raise UserError(f"checkpoint {path} is unreadable ({err}); resume from an earlier checkpoint") from err
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as err:
+        raise UserError(f"checkpoint {path} is unreadable ({first_line(err)}); resume from an earlier checkpoint") from err
     if not isinstance(state, dict):
         raise _damaged(path / TRAINER_STATE, "is not a JSON object")
     missing = [k for k in STATE_KEYS if k not in state]

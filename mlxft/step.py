@@ -328,5 +328,11 @@ class LossScaler:
         return {"enabled": self.enabled, "scale": self.scale, "good_steps": self.good_steps}
 
     def load(self, state: dict) -> None:
+        """Continue a checkpoint's scaling. One saved with the scaler on while it is off here, or
+        off while it is on (a run resumed in another dtype with --force), leaves it as it starts:
+        a scale of 1 would leave float16 gradients unprotected, and a disabled scaler never moves
+        its scale back to 1, which the non-finite-streak stop waits for."""
+        if bool(state.get("enabled", self.enabled)) != self.enabled:
+            return
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
         self._array = mx.array(self.scale)

@@ -7,6 +7,7 @@ import signal
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -207,8 +208,8 @@ def test_a_failed_swap_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
 
     def second_rename_fails(src, dst):
         calls.append(dst)
-        if len(calls) == 2:  # the new directory into place, after the old one was moved aside
-            raise OSError(errno.EIO, "Input/output error")
+        if Path(dst) == tmp_path / "final" and calls.count(dst) == 1:  # the new directory into place, after
+            raise OSError(errno.EIO, "Input/output error")  # the old one was moved aside (not the put-back)
         return real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", second_rename_fails)
@@ -538,3 +539,46 @@ def test_pruning_hides_a_checkpoint_before_deleting_it(tmp_path, monkeypatch):
     assert seen == [f".checkpoint-2.{os.getpid()}.deleted.tmp"]
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["checkpoint-4", "latest"]
     assert [p.name for p in checkpoint.remove_partial_saves(tmp_path)] == seen
+
+
+def test_sigkill_while_re_saving_the_checkpoint_latest_names_leaves_latest_complete(tmp_path):
+    # latest -> checkpoint-3-emergency, which is saved again (a resumed run stopped again inside
+    # the same window; likewise final after a resume). SIGKILL between the swap's two renames.
+    tiny_checkpoint(tmp_path, "checkpoint-3-emergency", step=3)
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from test_resume import tiny_checkpoint
+        run = Path({str(tmp_path)!r})
+        real = os.replace
+        def replace(src, dst):
+            if Path(dst) == run / "checkpoint-3-emergency":  # the new one into place, the old one aside
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(src, dst)
+        os.replace = replace
+        tiny_checkpoint(run, "checkpoint-3-emergency", step=3)
+    """)
+    assert subprocess.run([sys.executable, "-c", code]).returncode == -9
+    checkpoint.remove_partial_saves(tmp_path)  # what the next run does first
+    latest = checkpoint.resolve_checkpoint("latest", tmp_path)
+    assert checkpoint.load_checkpoint(latest)["state"]["step"] == 3
+
+
+def test_a_checkpoint_of_another_dtype_leaves_the_loss_scaler_as_it_starts():
+    on, off = LossScaler(enabled=True), LossScaler(enabled=False)
+    on.load({"enabled": False, "scale": 1.0, "good_steps": 0})  # a float32 checkpoint, resumed in float16
+    off.load({"enabled": True, "scale": 32768.0, "good_steps": 7})  # a float16 checkpoint, resumed in bf16/fp32
+    assert (on.scale, on.array.item()) == (2.0**15, 2.0**15)
+    assert (off.scale, off.array.item(), off.good_steps) == (1.0, 1.0, 0)
+    same = LossScaler(enabled=True)
+    same.load({"enabled": True, "scale": 512.0, "good_steps": 3})
+    assert (same.scale, same.good_steps) == (512.0, 3)
+
+
+@pytest.mark.parametrize("name", ["trainer_state.json", "config.yaml"])
+def test_a_checkpoint_file_that_is_not_utf8_is_a_one_line_error(tmp_path, name):
+    path = tiny_checkpoint(tmp_path)
+    (path / name).write_bytes(b"\xff\xfe{}")
+    with pytest.raises(UserError, match=f"checkpoint {path} is unreadable"):
+        checkpoint.load_checkpoint(path)
