@@ -179,12 +179,19 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
         layout = DocumentLayout(mx.broadcast_to(mx.arange(length), (batch, length)), mx.zeros((batch, length), mx.int32),
                                 dtype)
     x = mx.random.normal((batch, length, dim)).astype(dtype)
-    kinds: dict[tuple, list] = {}  # layers that run alike: the same kind, checkpointed or not
+    kinds: dict[tuple, list] = {}  # layers that run alike: the same kind, checkpointed or not, trained or not
     for layer in layers:
         kind = "attention" if is_attention_layer(layer) else type(layer).__name__
-        kinds.setdefault((kind, is_checkpointed(layer)), []).append(layer)
+        trained = bool(tree_flatten(layer.trainable_parameters()))
+        kinds.setdefault((kind, is_checkpointed(layer), trained), []).append(layer)
     activations, transient = 0, 0
-    for members in kinds.values():
+    for (_, _, trained), members in kinds.items():
+        if not trained:
+            # --num-layers N trains the last N: the layers before them lie on no path from a
+            # trainable parameter to the loss, so the backward pass skips them and their
+            # activations are freed as the forward pass goes; only its own peak counts.
+            transient = max(transient, _probe(_layer_call(members[0], layout), x))
+            continue
         kept = _kept_for_backward(members[0], layout, x)
         activations += kept * len(members)
         transient = max(transient, _layer_peak(members[0], layout, x) - kept)

@@ -46,7 +46,7 @@ def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
                   "checkpoint_layers": train.pop("checkpoint_layers", 0),
                   "checkpoint_keep_mlp": train.pop("checkpoint_keep_mlp", False)},
         "data": {"data": "in-memory", "length_bucket": 32, "pack": train.pop("pack", False)},
-        "adapter": {"rank": 8},
+        "adapter": {"rank": 8, "num_layers": train.pop("num_layers", -1)},
         "train": {"output_dir": str(tmp_path / "run"), "batch_size": batch_size, "max_steps": 3, "log_every": 1, **train},
     })
     rows = random_rows(3 * batch_size, longest)
@@ -84,6 +84,16 @@ def test_checkpointing_lowers_the_estimated_activations(wider_model, tmp_path):
     partial.train()
     measured = measured_peak(partial)
     assert 0.75 <= partial.estimate.total / measured <= 1.25, (partial.estimate.describe(), measured / memory.GB)
+
+
+def test_layers_before_the_trained_ones_keep_nothing(wider_model, tmp_path):
+    # --num-layers 2 of 4: the backward pass never reaches the first two layers.
+    everything = trainer(wider_model, tmp_path / "a").estimate
+    last_two = trainer(wider_model, tmp_path / "b", num_layers=2)
+    assert last_two.estimate is not None and last_two.estimate.activations < everything.activations
+    last_two.train()
+    measured = measured_peak(last_two)
+    assert 0.75 <= last_two.estimate.total / measured <= 1.25, (last_two.estimate.describe(), measured / memory.GB)
 
 
 def test_recomputed_layers_keep_their_inputs_and_nothing_they_recompute(wider_model, tmp_path):
