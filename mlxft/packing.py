@@ -31,12 +31,18 @@ class DocumentLayout:
     The mask is additive in the compute ``dtype``: CUDA's fused attention took 0.60 ms with
     it against 0.94 ms with a boolean mask (0.56 ms causal; `scripts/bench_attention.py`)."""
 
-    def __init__(self, positions: mx.array, segments: mx.array, dtype: mx.Dtype = mx.float32):
+    def __init__(self, positions: mx.array, segments: mx.array, dtype: mx.Dtype = mx.float32,
+                 window: int | None = None):
         self.offset = positions
         same_document = segments[:, :, None] == segments[:, None, :]
         steps = mx.arange(segments.shape[1])
-        allowed = (same_document & (steps[:, None] >= steps[None, :]))[:, None]
-        self.mask = mx.where(allowed, mx.array(0, dtype), mx.array(-mx.inf, dtype))
+        allowed = same_document & (steps[:, None] >= steps[None, :])
+        self.mask = mx.where(allowed[:, None], mx.array(0, dtype), mx.array(-mx.inf, dtype))
+        # Sliding-window layers (mlx-lm's ``use_sliding``): a query sees the last ``window`` tokens.
+        self.window_mask = None
+        if window:
+            windowed = allowed & (steps[:, None] < steps[None, :] + window)
+            self.window_mask = mx.where(windowed[:, None], mx.array(0, dtype), mx.array(-mx.inf, dtype))
 
     def update_and_fetch(self, keys, values):
         return keys, values
@@ -86,6 +92,15 @@ def check_supported(model: nn.Module) -> None:
     if family not in SUPPORTED_FAMILIES:
         raise UserError(f"config field data.pack: packing supports the {'/'.join(SUPPORTED_FAMILIES)} families, "
                         f"not {family or type(model).__name__}; drop --pack")
+    from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
+
+    for layer in model.layers:
+        rope = getattr(getattr(layer, "self_attn", None), "rope", None)
+        if isinstance(getattr(rope, "inner", rope), DynamicNTKScalingRoPE):
+            # Its frequencies depend on the whole sequence's length, which a packed row does
+            # not share with the documents in it.
+            raise UserError("config field data.pack: this model's rope_scaling type 'dynamic' rescales positions by "
+                            "the sequence length, which packing changes; drop --pack")
 
 
 def enable(model: nn.Module) -> None:
@@ -104,9 +119,12 @@ def hidden_states(model: nn.Module, inputs: mx.array, positions: mx.array, segme
     """The body's final normalized hidden states of a packed batch (see :func:`enable`)."""
     body = model.model
     h = body.embed_tokens(inputs)
-    layout = DocumentLayout(positions, segments, h.dtype)
+    sliding = any(getattr(layer, "use_sliding", False) for layer in body.layers)
+    layout = DocumentLayout(positions, segments, h.dtype, getattr(body, "sliding_window", None) if sliding else None)
     for layer in body.layers:
-        h = layer(h, layout.mask if is_attention_layer(layer) else None, cache=layout)
+        sliding_layer = getattr(layer, "use_sliding", False) and layout.window_mask is not None
+        mask = layout.window_mask if sliding_layer else layout.mask
+        h = layer(h, mask if is_attention_layer(layer) else None, cache=layout)
     norm = body.norm if "norm" in body else body.embedding_norm
     return norm(h)
 

@@ -130,6 +130,28 @@ def test_packing_an_unsupported_family_is_a_clear_error():
         packing.enable(Other())
 
 
+def test_sliding_window_layers_keep_their_window_when_packed(tmp_path):
+    # mlx-lm's Llama gives layers of type sliding_attention a windowed causal mask.
+    from conftest import LLAMA_CONFIG, write_model
+
+    config = {**LLAMA_CONFIG, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
+    model = adapted_model(write_model(tmp_path / "sliding", config))
+    examples = rows([20, 9, 7])
+    unpacked = loss_and_grads(model, make_batch(examples, 3, 8))[0]
+    packed = make_batch(examples, 3, 8, pack=True)
+    assert packed.doc_positions is not None
+    assert loss_and_grads(model, packed)[0] == pytest.approx(unpacked, rel=1e-5)
+
+
+def test_packing_a_dynamic_rope_model_is_a_clear_error(tmp_path):
+    from conftest import LLAMA_CONFIG, write_model
+    from mlxft.errors import UserError
+
+    model, *_ = models.load(str(write_model(tmp_path / "dynamic", {**LLAMA_CONFIG, "rope_scaling": {"type": "dynamic", "factor": 2.0}})))
+    with pytest.raises(UserError, match="rope_scaling type 'dynamic'.*drop --pack"):
+        packing.enable(model)
+
+
 def test_training_packed_equals_training_unpacked(model_dir, chat_data, tmp_path, monkeypatch):
     from mlxft import RunConfig, fine_tune
 
