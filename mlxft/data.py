@@ -256,6 +256,21 @@ def _probe_end_of_turn(tokenizer, template) -> str:
     return eot
 
 
+@functools.lru_cache(maxsize=4)
+def _probe_assistant_header(tokenizer, template) -> str:
+    """What the generation prompt adds: the header that opens an assistant turn."""
+    chat = [{"role": "user", "content": "q"}]
+    try:
+        prompt, plain = _render(tokenizer, chat, True), _render(tokenizer, chat, False)
+    except Exception:  # a template that rejects the probe: no header, content spans as before
+        return ""
+    return prompt[len(plain):] if prompt.startswith(plain) else ""
+
+
+def _assistant_header(tokenizer) -> str:
+    return _probe_assistant_header(tokenizer, getattr(tokenizer, "chat_template", None))
+
+
 # A leading reasoning block, which templates such as Qwen3's drop from earlier turns.
 _REASONING = re.compile(r"^\s*<think>.*?</think>", re.S)
 
@@ -293,17 +308,30 @@ def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tup
             raise UserError(f"{where}: an assistant turn's content does not appear in the chat template's rendering")
         found.append(at)
         cursor = at[1] if at else cursor
+    header = _assistant_header(tokenizer)
     spans: list[tuple[int, int]] = []
     for i, (m, at) in enumerate(zip(messages, found)):
         if m["role"] != "assistant":
             continue
         start, end = at
+        limit = next((s for s, _ in filter(None, found[i + 1:]) if s > start), len(full))
         if start == end:
-            limit = next((s for s, _ in filter(None, found[i + 1:]) if s > start), len(full))
-            start = full.rfind(end_of_turn, start, limit) if end_of_turn else -1
-            if start < 0:
+            close = full.rfind(end_of_turn, start, limit) if end_of_turn else -1
+            if close < 0:
                 continue
-            end = start
+            start = end = close
+            # What the template wrote for the turn besides its content (tool calls) counts too;
+            # an empty reasoning block alone does not.
+            h = full.rfind(header, at[0], close) if header else -1
+            if h >= 0:
+                body = full[h + len(header):close]
+                kept = body[_REASONING.match(body).end() if _REASONING.match(body) else 0:]
+                if kept.strip():
+                    start = close - len(kept.lstrip())
+        elif end_of_turn and not full.startswith(end_of_turn, end):
+            close = full.find(end_of_turn, end, limit)  # tool calls after the content, then its end-of-turn
+            if close >= 0:
+                end = close
         if end_of_turn and full.startswith(end_of_turn, end):
             end += len(end_of_turn)
         if i == len(messages) - 1:

@@ -225,3 +225,21 @@ def test_capped_evaluation_takes_rows_of_every_length():
     batches = epoch_batches(lengths, 2, 0, 0, shuffle=False, max_batches=2)
     assert [b.tolist() for b in batches] == [[1, 3], [2, 0]]  # the file's first four rows, sorted by length
     assert len(np.concatenate(epoch_batches(lengths, 2, 0, 0, shuffle=False))) == 8
+
+
+TOOL_CALL = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+TOOL_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+
+
+@pytest.mark.parametrize("content, first", [("", TOOL_CALL_TEXT), ("Let me check.", "Let me check.\n" + TOOL_CALL_TEXT)])
+def test_tool_calls_of_earlier_turns_are_supervised(tokenizer, content, first):
+    # Qwen3's template rewrites earlier turns, so they are found in the rendering: what it writes
+    # for a turn after the content (the tool call) belongs to the answer, as in the last turn.
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": content, "tool_calls": TOOL_CALL},
+                {"role": "tool", "content": "sunny"},
+                {"role": "assistant", "content": "It is sunny."}]
+    ids, mask = encode_chat(tokenizer, messages, True, "test")
+    spans = [tokenizer.decode([i for i, _ in group])
+             for flag, group in itertools.groupby(zip(ids, mask), key=lambda pair: pair[1]) if flag]
+    assert spans == [first, "It is sunny.<|im_end|>\n"]
