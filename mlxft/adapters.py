@@ -108,9 +108,11 @@ def load_adapter_dir(path) -> tuple[dict[str, mx.array], AdapterSpec]:
     run_config = path / checkpoint.CONFIG_FILE
     if run_config.is_file() and spec.source == "mlxft":
         try:
-            spec.run_config = yaml.safe_load(run_config.read_text()) or None
+            saved = yaml.safe_load(run_config.read_text())
         except (OSError, yaml.YAMLError):
-            spec.run_config = None  # only used for defaults (quantization); the adapter itself is fine
+            saved = None
+        # Only used for defaults (quantization); the adapter itself is fine without it.
+        spec.run_config = saved if isinstance(saved, dict) and saved else None
     return weights, spec
 
 
@@ -475,7 +477,11 @@ def load_with_adapter(model: str | None, adapter: str | None, dtype: str = "auto
     quantize, group_size = 0, 64
     if spec is not None and spec.run_config:
         section = spec.run_config.get("model") or {}
-        quantize, group_size = int(section.get("quantize") or 0), int(section.get("quantize_group_size") or 64)
+        try:
+            quantize, group_size = int(section.get("quantize") or 0), int(section.get("quantize_group_size") or 64)
+        except (AttributeError, TypeError, ValueError) as err:
+            raise UserError(f"{spec.path / checkpoint.CONFIG_FILE}: model.quantize and model.quantize_group_size "
+                            f"must be integers ({first_line(err)}); fix the file or remove it") from err
     try:
         base, tokenizer, path, config = load_base(name, dtype, quantize, group_size, spec.path if spec else None)
     except UserError as err:

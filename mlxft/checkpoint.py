@@ -71,16 +71,26 @@ def save_safetensors(path, arrays: dict[str, mx.array], metadata: dict[str, str]
         raise OSError(first_line(err).rstrip(".")) from err
 
 
+def raise_write_error(err: Exception) -> None:
+    """Raise a failed write as OSError, as Python's own writes raise it: MLX reports one as
+    RuntimeError("[write] Unable to write ..."), the Rust tokenizers library as a bare
+    Exception ending "(os error 28)". Return for any other exception: the caller re-raises it."""
+    text = str(err)
+    if not isinstance(err, OSError) and (text.startswith("[write]") or re.search(r"\(os error \d+\)", text)):
+        raise OSError(first_line(err).rstrip(".")) from err
+
+
 def atomic_write(path: Path, write) -> None:
     """Call ``write(tmp_path)`` then rename ``tmp_path`` over ``path``.
 
     A failure (a full disk included) removes the temporary file and leaves ``path`` as it was.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
-    os.close(fd)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
+        os.close(fd)
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -89,7 +99,7 @@ def atomic_write(path: Path, write) -> None:
     except OSError as err:
         raise UserError(f"cannot write {path}: {err.strerror or err}; free disk space or choose another --output-dir") from err
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     _fsync_dir(path.parent)
 
@@ -172,7 +182,11 @@ def save_tokenizer(run_dir: Path, tokenizer) -> None:
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     with tempfile.TemporaryDirectory(prefix=".tokenizer.", dir=run_dir) as tmp:
         try:
-            hf.save_pretrained(tmp)
+            try:
+                hf.save_pretrained(tmp)
+            except Exception as err:  # a full disk, as the tokenizers library reports it
+                raise_write_error(err)
+                raise
             written = {path.name for path in Path(tmp).iterdir()}
             for name in written:
                 with open(Path(tmp) / name, "rb") as f:
@@ -432,7 +446,7 @@ def first_output_in(run_dir: Path) -> str | None:
 
 def resolve_checkpoint(spec: str, run_dir: Path) -> Path:
     """``latest`` (in ``run_dir``) or a checkpoint directory path."""
-    path = Path(run_dir) / LATEST if spec == LATEST else Path(spec)
+    path = Path(run_dir) / LATEST if spec == LATEST else Path(spec).expanduser()
     if spec == LATEST and not path.exists():
         raise UserError(f"--resume latest: {run_dir} has no checkpoint yet; pass --resume PATH or check --output-dir")
     path = path.resolve()

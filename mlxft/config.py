@@ -199,6 +199,14 @@ class RunConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def to_saved_dict(self) -> dict:
+        """``to_dict`` as a run saves it (config.yaml, reusable with --config): without the flags
+        that act on the command giving them, so a reused file neither replaces the run in another
+        --output-dir (overwrite) nor looks for a checkpoint there (resume, force)."""
+        data = self.to_dict()
+        data["train"].update(overwrite=False, resume="", force=False)
+        return data
+
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "RunConfig":
         """Build from nested ``{section: {field: value}}``; unknown keys are errors."""

@@ -74,14 +74,14 @@ class Dataset:
 def resolve_files(data: str, train_file: str, valid_file: str) -> tuple[Path, Path | None]:
     """The training file and the validation file (None when there is none)."""
     if train_file:
-        train = Path(train_file)
+        train = Path(train_file).expanduser()
     else:
-        base = Path(data)
+        base = Path(data).expanduser()
         train = base / "train.jsonl" if base.is_dir() else base
     if not train.is_file():
         raise UserError(f"training data {train} does not exist; pass --data DIR (with train.jsonl) or --train-file")
     if valid_file:
-        valid = Path(valid_file)
+        valid = Path(valid_file).expanduser()
         if not valid.is_file():
             raise UserError(f"validation data {valid} does not exist; check --valid-file")
         return train, valid

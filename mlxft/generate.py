@@ -10,6 +10,7 @@ the tokenizer is the one the run saved. ``--temp 0`` (the default) is greedy.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Iterator
 
@@ -67,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     mx.random.seed(args.seed)
     ids = prompt_ids(loaded.tokenizer, messages_for(prompt, args.system), args.prompt_format)
     last = None
-    for last in stream(loaded.model, loaded.tokenizer, ids, args.max_tokens, args.temp, args.top_p):
-        print(last.text, end="", flush=True)
-    print(flush=True)
+    try:
+        for last in stream(loaded.model, loaded.tokenizer, ids, args.max_tokens, args.temp, args.top_p):
+            print(last.text, end="", flush=True)
+        print(flush=True)
+    except BrokenPipeError:  # the reader stopped (`| head`): stop generating, quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 0
     if args.verbose and last is not None:
         print(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s | generation: "
               f"{last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s | stop: {last.finish_reason}",

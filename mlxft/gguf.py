@@ -792,14 +792,18 @@ def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], No
     A crash or error leaves out_dir as it was (a stale ``.name.tmp-*`` dir at worst). Write
     failures (a full disk, permissions) become one-line errors naming out_dir.
     """
-    from mlxft.checkpoint import replace_directory
+    from mlxft.checkpoint import raise_write_error, replace_directory
 
     tmp = None
     try:
         # Inside the try: a parent that is a regular file fails here, as a one-line error.
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = _sibling(out_dir, "tmp")
-        write(tmp)
+        try:
+            write(tmp)
+        except Exception as err:  # a full disk, as MLX's and the tokenizers library's writers report it
+            raise_write_error(err)
+            raise
         _check_destination(out_dir, overwrite)  # it may have appeared while we worked
         replace_directory(tmp, out_dir)
     except OSError as err:

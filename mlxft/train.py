@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         config_path = DEFAULT_JOB  # no model, data or config given: the built-in default job
         print(f"no --model/--data/--config given: running the default job ({DEFAULT_JOB.name})")
     config = cfg.resolve(args, config_path)
+    if config_path == DEFAULT_JOB and not hasattr(args, "train.overwrite"):
+        # The job's `overwrite: true` lets it re-run into its own runs/default; a directory the
+        # user names may hold another run, which only --overwrite may replace.
+        job_dir = cfg.load_yaml(DEFAULT_JOB)["train"]["output_dir"]
+        config.train.overwrite = config.train.overwrite and Path(config.train.output_dir) == Path(job_dir)
     from mlxft.distributed import PeerLost
     from mlxft.trainer import TrainingStopped, fine_tune
 

@@ -103,7 +103,7 @@ class Trainer:
         if t.batch_size % self.world.size:
             raise UserError(f"config field train.batch_size: {t.batch_size} rows cannot be split evenly over "
                             f"{self.world.size} ranks; use a multiple of {self.world.size}")
-        self.run_dir = Path(t.output_dir)
+        self.run_dir = Path(t.output_dir).expanduser()  # as --model and --init-adapter are
         resume_from = checkpoint.resolve_checkpoint(t.resume, self.run_dir) if t.resume else None
         check_output_dir(self.run_dir, t.overwrite, resume_from, self.world.is_main)
         if datasets is None:
@@ -173,7 +173,11 @@ class Trainer:
             grads, loss_sum, tokens = self.window
             self.window = (gradient_window(grads, self.layout), loss_sum, tokens)
         if self.world.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:  # permissions, a read-only disk, a parent that is a file
+                raise UserError(f"cannot create --output-dir {self.run_dir}: {err.strerror or err}; choose "
+                                "a directory you can write to") from err
             checkpoint.remove_partial_saves(self.run_dir)  # a killed run's; this run's saves start clean
             if resume_from is None:
                 if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
@@ -505,7 +509,7 @@ class Trainer:
         with self.world.local_work():
             path = checkpoint.save_checkpoint(
                 self.run_dir, checkpoint.checkpoint_name(self.step_count, kind), self.model, self.adapter_metadata(),
-                moments, window, self.resume_state(), self.config.to_dict())
+                moments, window, self.resume_state(), self.config.to_saved_dict())
         self.reporter.info(f"checkpoint {path}")
         return path
 
@@ -540,7 +544,7 @@ class Trainer:
             if self.tokenizer is not None and not self.tokenizer_saved:  # files already there may be another model's
                 checkpoint.save_tokenizer(self.run_dir, self.tokenizer)
                 self.tokenizer_saved = True
-            checkpoint.save_run(self.run_dir, self.model, self.adapter_metadata(), self.config.to_dict(),
+            checkpoint.save_run(self.run_dir, self.model, self.adapter_metadata(), self.config.to_saved_dict(),
                                 self.training_state())
         self.reporter.info(f"saved {self.run_dir} at step {self.step_count}")
 

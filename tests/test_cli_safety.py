@@ -1,0 +1,152 @@
+"""Command lines that must not replace work they were not asked to, and that fail in one line."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mlxft.train import main as train_main
+
+from conftest import write_jsonl  # noqa: F401  (tests/ on sys.path, as the suite's own files)
+
+
+def _common(llama_dir, chat_data):
+    return ["--model", str(llama_dir), "--data", str(chat_data), "--max-steps", "1", "--no-memory-estimate"]
+
+
+def _train(llama_dir, chat_data, out, *extra):
+    assert train_main(_common(llama_dir, chat_data) + ["--output-dir", str(out), *extra]) == 0
+    return out
+
+
+def test_default_job_does_not_overwrite_a_directory_the_user_names(tmp_path, monkeypatch, capsys):
+    """`python -m mlxft.train --output-dir runs/mine` runs the default job, whose YAML says
+    overwrite: true; that must not replace the run already in runs/mine."""
+    import mlxft.builtin
+
+    monkeypatch.setenv("MLXFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(mlxft.builtin, "model_dir", lambda: pytest.fail("went on to replace the existing run"))
+    run = tmp_path / "mine"
+    (run / "checkpoint-200").mkdir(parents=True)
+    (run / "training_state.json").write_text('{"step": 200}\n')
+    assert train_main(["--output-dir", str(run), "--max-steps", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert "running the default job" in out
+    assert "already holds a run" in err and err.count("\n") == 1
+    assert (run / "training_state.json").read_text() == '{"step": 200}\n' and (run / "checkpoint-200").is_dir()
+
+
+def test_default_job_still_reruns_into_its_own_directory(tmp_path, monkeypatch):
+    import mlxft.trainer
+
+    seen = []
+
+    class Ran(Exception):
+        pass
+
+    def fake_fine_tune(config):
+        seen.append(config.train)
+        raise Ran
+
+    monkeypatch.setattr(mlxft.trainer, "fine_tune", fake_fine_tune)
+    for argv, overwrite in (([], True), (["--epochs", "1"], True), (["--output-dir", "x"], False),
+                            (["--output-dir", "x", "--overwrite"], True)):
+        with pytest.raises(Ran):
+            train_main(argv)
+        assert seen[-1].overwrite is overwrite, argv
+
+
+def test_a_saved_config_reused_with_config_does_not_replace_another_run(llama_dir, chat_data, tmp_path, capsys):
+    other = _train(llama_dir, chat_data, tmp_path / "other")
+    first = _train(llama_dir, chat_data, tmp_path / "first", "--overwrite")
+    before = {p.name: p.read_bytes() for p in other.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert train_main(["--config", str(first / "config.yaml"), "--output-dir", str(other)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in other.iterdir() if p.is_file()} == before
+
+
+def test_a_resumed_runs_config_starts_a_new_run(llama_dir, chat_data, tmp_path):
+    run = _train(llama_dir, chat_data, tmp_path / "run")
+    assert train_main(_common(llama_dir, chat_data)[:-3] + ["--max-steps", "2", "--no-memory-estimate",
+                                                           "--output-dir", str(run), "--resume", "latest"]) == 0
+    assert train_main(["--config", str(run / "config.yaml"), "--output-dir", str(tmp_path / "new")]) == 0
+
+
+def _small_disk():  # files past 40 KB fail with EFBIG, as a full disk fails with ENOSPC
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+
+
+@pytest.mark.skipif(not sys.platform.startswith(("linux", "darwin")), reason="RLIMIT_FSIZE")
+def test_a_full_disk_is_a_one_line_error(llama_dir, chat_data, tmp_path):
+    run = _train(llama_dir, chat_data, tmp_path / "run")
+    commands = {
+        "train": ["mlxft.train", *_common(llama_dir, chat_data), "--output-dir", str(tmp_path / "run2")],
+        "export": ["mlxft.export", "--adapter", str(run), "--format", "peft", "--out", str(tmp_path / "peft")],
+        "fuse": ["mlxft.fuse", "--adapter", str(run), "--out", str(tmp_path / "fused")],
+    }
+    for name, args in commands.items():
+        proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300,
+                              preexec_fn=_small_disk)
+        assert proc.returncode == 2, (name, proc.stderr[-1500:])
+        assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, (name, proc.stderr[-1500:])
+    assert not (tmp_path / "peft").exists() and not (tmp_path / "fused").exists()
+
+
+def test_an_output_dir_that_cannot_be_created_is_a_one_line_error(llama_dir, chat_data, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert train_main(_common(llama_dir, chat_data) + ["--output-dir", str(tmp_path / "file" / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot create --output-dir") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write anywhere")
+def test_an_output_dir_without_permission_is_a_one_line_error(llama_dir, chat_data, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    try:
+        assert train_main(_common(llama_dir, chat_data) + ["--output-dir", str(locked / "run")]) == 2
+    finally:
+        locked.chmod(0o755)
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and err.count("\n") == 1
+
+
+def test_tilde_paths_in_a_config_file_mean_the_home_directory(llama_dir, chat_data, tmp_path, monkeypatch):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    shutil.copytree(chat_data, home / "data")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  model: {llama_dir}\ndata:\n  data: ~/data\n"
+                      "train:\n  output_dir: ~/runs/x\n  max_steps: 1\n  memory_estimate: false\n")
+    assert train_main(["--config", str(config)]) == 0
+    assert (home / "runs" / "x" / "adapters.safetensors").is_file()
+    assert not (cwd / "~").exists()
+
+
+@pytest.mark.parametrize("text", ["- a list\n", "model: [4]\n", "model:\n  quantize: four\n"])
+def test_a_damaged_run_config_is_not_a_traceback(llama_dir, chat_data, tmp_path, capsys, text):
+    from mlxft.generate import main as generate_main
+
+    run = _train(llama_dir, chat_data, tmp_path / "run")
+    (run / "config.yaml").write_text(text)
+    capsys.readouterr()
+    code = generate_main(["--adapter", str(run), "--prompt", "hi", "--max-tokens", "1"])
+    err = capsys.readouterr().err
+    assert code == 0 or (code == 2 and err.startswith("error: ") and err.count("\n") == 1), err
+
+
+def test_generate_into_a_closed_pipe_stops_quietly(llama_dir, chat_data, tmp_path):
+    run = _train(llama_dir, chat_data, tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "mlxft.generate", "--adapter", str(run), "--prompt", "hi",
+                             "--max-tokens", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    proc.stdout.close()  # as `| head -c 1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0 and "Traceback" not in err, err
