@@ -112,3 +112,22 @@ def loss_fn(model: nn.Module, inputs, positions, targets, weights, doc_positions
         return cross_entropy(logits.reshape(-1, logits.shape[-1])[positions], targets, weights, label_smoothing)
     hidden = _hidden(model, inputs, positions, doc_positions, segments)
     return hidden_loss(model, hidden, targets, weights, label_smoothing, chunk)
+
+
+def evaluation_loss(model: nn.Module, inputs, positions, targets, weights, doc_positions=None, segments=None,
+                    chunk: int = 0):
+    """``(loss, ntokens)`` as :func:`loss_fn` gives it, for evaluation (no backward pass). With
+    ``chunk``, each chunk's logits are reduced and evaluated before the next chunk's exist:
+    built as one lazy graph, MLX computes the chunks side by side and holds all their logits
+    (2,048 tokens over a 152k vocabulary: 1.24 GB in chunks of 512, as whole), so validation
+    would peak where --loss-chunk kept training low."""
+    if not chunk or output_head(model) is None or targets.shape[0] <= chunk:
+        return loss_fn(model, inputs, positions, targets, weights, doc_positions, segments, chunk=chunk)
+    hidden = _hidden(model, inputs, positions, doc_positions, segments)
+    head, total = output_head(model), mx.array(0.0)
+    for start in range(0, hidden.shape[0], chunk):
+        ce = token_cross_entropy(head(hidden[start:start + chunk]), targets[start:start + chunk])
+        total = total + (ce * weights[start:start + chunk]).sum()
+        mx.eval(total)
+    ntokens = weights.sum()
+    return total / mx.maximum(ntokens, 1), ntokens

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from mlxft import _blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, packing
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError, first_line
-from mlxft.loss import cross_entropy, hidden_loss, loss_fn
+from mlxft.loss import cross_entropy, evaluation_loss, hidden_loss, loss_fn
 from mlxft.optim import build_optimizer
 from mlxft.report import Reporter
 from mlxft.signals import Interrupted, StopRequests
@@ -431,7 +431,7 @@ class Trainer:
         loss_sum, tokens = mx.array(0.0), mx.array(0.0)
         for indices in data.epoch_batches(dataset.lengths, t.batch_size, 0, 0, shuffle=False,
                                           max_batches=t.max_eval_batches):
-            loss, ntokens = loss_fn(self.model, *self.batch(dataset, indices).arrays())
+            loss, ntokens = evaluation_loss(self.model, *self.batch(dataset, indices).arrays(), chunk=self.config.model.loss_chunk)
             loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
             mx.eval(loss_sum, tokens)
             self.world.heartbeat()

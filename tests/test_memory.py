@@ -44,7 +44,8 @@ def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
     config = RunConfig.from_dict({
         "model": {"model": str(model_dir), "dtype": "float32", "grad_checkpoint": train.pop("grad_checkpoint", False),
                   "checkpoint_layers": train.pop("checkpoint_layers", 0),
-                  "checkpoint_keep_mlp": train.pop("checkpoint_keep_mlp", False)},
+                  "checkpoint_keep_mlp": train.pop("checkpoint_keep_mlp", False),
+                  "loss_chunk": train.pop("loss_chunk", 0)},
         "data": {"data": "in-memory", "length_bucket": 32, "pack": train.pop("pack", False)},
         "adapter": {"rank": 8, "num_layers": train.pop("num_layers", -1)},
         "train": {"output_dir": str(tmp_path / "run"), "batch_size": batch_size, "max_steps": 3, "log_every": 1, **train},
@@ -94,6 +95,20 @@ def test_layers_before_the_trained_ones_keep_nothing(wider_model, tmp_path):
     last_two.train()
     measured = measured_peak(last_two)
     assert 0.75 <= last_two.estimate.total / measured <= 1.25, (last_two.estimate.describe(), measured / memory.GB)
+
+
+def test_validation_takes_the_loss_a_chunk_at_a_time(llama_dir, tmp_path):
+    peaks, losses = [], []
+    for chunk in (0, 32):
+        run = trainer(llama_dir, tmp_path / str(chunk), batch_size=4, longest=128, loss_chunk=chunk, memory_estimate=False)
+        gc.collect()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        losses.append(run.evaluate(run.train_set)[0])
+        peaks.append(mx.get_peak_memory() - before)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert peaks[1] < 0.5 * peaks[0], peaks  # [supervised, vocab] float32 logits are most of it
 
 
 def test_recomputed_layers_keep_their_inputs_and_nothing_they_recompute(wider_model, tmp_path):
