@@ -216,7 +216,7 @@ def _read_peft(path: Path) -> tuple[dict[str, mx.array], AdapterSpec]:
     if config.get("fan_in_fan_out"):
         raise UserError(f"{where}: fan_in_fan_out is for GPT-2 style Conv1D layers, which mlx-lm models do not have")
     rank = _number(config, "r", where, int)
-    alpha = _number(config, "lora_alpha", where, default=rank)
+    alpha = _number(config, "lora_alpha", where, default=8)  # PEFT's LoraConfig default, not r
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     raw, _ = checkpoint.load_adapter_weights(path / PEFT_WEIGHTS)
     weights = {}
@@ -411,8 +411,9 @@ def start_from(model: nn.Module, config, path, seed: int = 0) -> list[str]:
                         f"{','.join(targets)}; pass --targets {','.join(sorted(spec.targets))}")
     run_scale = config.alpha / config.rank
     if not math.isclose(spec.scale, run_scale, rel_tol=1e-6):
+        # The hint's alpha in full (repr): 6 digits (:g) can miss the 1e-6 tolerance (rsLoRA r=32: 181.019...).
         raise UserError(f"{spec.path}: the adapter's scale is {spec.scale:g} (alpha {spec.alpha:g}) but the run's is "
-                        f"{run_scale:g}; pass --alpha {spec.alpha:g}")
+                        f"{run_scale:g}; pass --alpha {spec.alpha!r}")
     total = len(model.layers)
     spans = resolve_num_layers(model, spec)
     spans, trains = total if spans == -1 else spans, len(lora.selected_layers(model, config.num_layers))
@@ -615,6 +616,12 @@ def write_mlx(weights: dict[str, mx.array], spec: AdapterSpec, out: Path, base_m
                 raise UserError(f"{spec.path}: the adapter starts at layer {spec.first_layer}; pass --model (the base) "
                                 "so the layer count mlx-lm needs can be read from its config.json")
             num_layers = total - spec.first_layer
+    elif spec.source == "mlx-lm" and num_layers > 0:
+        # mlx-lm's num_layers may exceed the base's layer count (its default, 16, on a smaller
+        # model: all layers), which mlxft's own layout refuses; record it as all layers (-1).
+        total = count_base_layers(base_model or spec.base_model)
+        if (spec.layers and spec.first_layer == 0) or (total is not None and num_layers > total):
+            num_layers = -1
     metadata = checkpoint.adapter_metadata(spec.fine_tune_type, spec.rank, spec.alpha, spec.dropout, spec.targets,
                                            num_layers, spec.model_type, base_model or spec.base_model)
     metadata["scale"] = repr(float(spec.scale))  # exactly the source's (alpha / rank may round)

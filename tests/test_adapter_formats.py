@@ -3,6 +3,7 @@ real mlx-lm run loads (for evaluation and for continued training), and malformed
 mismatched directories are refused with one clear line."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -222,3 +223,50 @@ def test_mismatched_adapters_are_refused_and_leave_the_model_as_it_was(llama_dir
     with pytest.raises(UserError, match="contains the base model"):
         export(llama_run, "peft", anc, model=str(anc / "base"), overwrite=True)
     assert sorted(p.name for p in anc.iterdir()) == ["base", "run1"] and (anc / "run1" / "adapters.safetensors").exists()
+
+
+def _peft_dir(path, r, config, layers=(0, 1), mods=(("self_attn.q_proj", 64), ("self_attn.v_proj", 32))):
+    path.mkdir()
+    mx.random.seed(0)
+    w = {}
+    for i in layers:
+        for mod, out in mods:
+            w[f"base_model.model.model.layers.{i}.{mod}.lora_A.weight"] = 0.1 * mx.random.normal((r, 64))
+            w[f"base_model.model.model.layers.{i}.{mod}.lora_B.weight"] = 0.1 * mx.random.normal((out, r))
+    mx.save_safetensors(str(path / "adapter_model.safetensors"), w, metadata={"format": "pt"})
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, **config}))
+    return path
+
+
+def test_alpha_hint_of_a_scale_refusal_is_accepted(llama_dir, tmp_path):
+    # rsLoRA r=32, lora_alpha=32: scale 32/sqrt(32), alpha = 181.0193...; ':g' printed 181.019.
+    peft_dir = _peft_dir(tmp_path / "peft", 32, {"lora_alpha": 32, "use_rslora": True})
+    targets = ["self_attn.q_proj", "self_attn.v_proj"]
+    with pytest.raises(UserError) as err:
+        adapters.start_from(base_model(llama_dir), AdapterConfig(targets=targets, rank=32, alpha=16.0), peft_dir)
+    hinted = float(re.search(r"pass --alpha (\S+)$", str(err.value)).group(1))
+    adapters.start_from(base_model(llama_dir), AdapterConfig(targets=targets, rank=32, alpha=hinted), peft_dir)
+
+
+def test_mlx_lm_adapter_with_more_layers_than_the_base_survives_export(llama_dir, tmp_path):
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = base_model(llama_dir)
+    linear_to_lora_layers(model, 16, {"rank": 4, "scale": 2.0, "dropout": 0.0})  # mlx-lm's default on 2 layers
+    mx.random.seed(3)
+    weights = {k: 0.05 * mx.random.normal(v.shape) if k.endswith("lora_b") else v
+               for k, v in tree_flatten(model.trainable_parameters())}
+    src = tmp_path / "mlx-lm"
+    src.mkdir()
+    mx.save_safetensors(str(src / "adapters.safetensors"), weights)
+    (src / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": 16, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}}))
+    expected = logits(adapters.load_with_adapter(str(llama_dir), str(src)).model)
+    out = export(str(src), "mlx-lm", tmp_path / "exported")
+    assert max_rel_diff(logits(adapters.load_with_adapter(str(llama_dir), str(out)).model), expected) < 1e-6
+
+
+def test_peft_config_without_lora_alpha_uses_peft_default(tmp_path):
+    peft_dir = _peft_dir(tmp_path / "peft", 4, {"target_modules": ["q_proj"]}, mods=(("self_attn.q_proj", 64),))
+    _, spec = adapters.load_adapter_dir(peft_dir)
+    assert spec.scale == pytest.approx(8 / 4)  # peft.LoraConfig(lora_alpha=8 by default).lora_alpha / r
