@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default="auto",
                         help="how prompt/completion rows are rendered (as in training; default auto)")
     parser.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0 = all)")
+    parser.add_argument("--loss-chunk", type=int, default=0,
+                        help="score this many tokens' logits at a time, for less memory (0 = all at once)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     return parser
@@ -62,22 +64,23 @@ def data_file(data: str) -> Path:
 
 
 def evaluate(model, tokenizer, path, *, batch_size: int = 4, max_seq_length: int = 2048, completion_only: bool = True,
-             prompt_format: str = "auto", max_batches: int = 0, bucket: int = 8) -> Evaluation:
+             prompt_format: str = "auto", max_batches: int = 0, bucket: int = 8, loss_chunk: int = 0) -> Evaluation:
     """Token-weighted mean loss over the rows of ``path`` (and its perplexity, exp(loss))."""
     import mlx.core as mx
 
     from mlxft import data
-    from mlxft.loss import loss_fn
+    from mlxft.loss import evaluation_loss
 
-    if batch_size < 1 or max_seq_length < 2 or max_batches < 0:
-        raise UserError("--batch-size must be >= 1, --max-seq-length >= 2 and --max-batches >= 0 (0 = all)")
+    if batch_size < 1 or max_seq_length < 2 or max_batches < 0 or loss_chunk < 0:
+        raise UserError("--batch-size must be >= 1, --max-seq-length >= 2, --max-batches >= 0 and --loss-chunk >= 0 "
+                        "(0 = all)")
     path = Path(path)
     dataset = data.load_dataset(path, tokenizer, max_seq_length, completion_only, prompt_format)
     model.eval()
     loss_sum, tokens = mx.array(0.0), mx.array(0.0)
     for indices in data.epoch_batches(dataset.lengths, batch_size, 0, 0, shuffle=False, max_batches=max_batches):
         batch = data.make_batch([dataset.examples[j] for j in indices], batch_size, bucket)
-        loss, ntokens = loss_fn(model, *batch.arrays())
+        loss, ntokens = evaluation_loss(model, *batch.arrays(), chunk=loss_chunk)
         loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
         mx.eval(loss_sum, tokens)
     count = int(tokens.item())
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_with_adapter(args.model, args.adapter, args.dtype)
     result = evaluate(loaded.model, loaded.tokenizer, path, batch_size=args.batch_size,
                       max_seq_length=args.max_seq_length, completion_only=args.completion_only,
-                      prompt_format=args.prompt_format, max_batches=args.max_batches)
+                      prompt_format=args.prompt_format, max_batches=args.max_batches, loss_chunk=args.loss_chunk)
     if args.json:
         print(json.dumps({"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
                           "rows": result.rows, "data": str(result.path)}))

@@ -49,6 +49,8 @@ def test_evaluate_is_token_weighted_and_matches_the_trainer(llama_dir, runs_root
     expected_tokens = data.load_dataset(valid, loaded.tokenizer, 2048).supervised_tokens
     assert one.tokens == three.tokens == expected_tokens and one.rows == 5
     assert one.loss == pytest.approx(three.loss, rel=1e-5)
+    chunked = evaluate(loaded.model, loaded.tokenizer, valid, batch_size=3, loss_chunk=4)
+    assert chunked.loss == pytest.approx(three.loss, rel=1e-5) and chunked.tokens == three.tokens
     assert one.loss == pytest.approx(trainer_loss["val_loss"], rel=1e-5) and one.tokens == trainer_loss["val_tokens"]
 
     capsys.readouterr()  # whatever training printed, when this test trained the run
@@ -85,7 +87,7 @@ def test_evaluate_refuses_a_negative_cap_and_an_unscored_set(tokenizer, runs_roo
     model = SimpleNamespace(eval=lambda: None, train=lambda: None)
     with pytest.raises(UserError, match="--max-batches >= 0"):
         evaluate(model, tokenizer, valid, max_batches=-1)
-    monkeypatch.setattr(loss, "loss_fn", lambda *args: (mx.array(0.0), mx.array(0.0)))  # nothing supervised
+    monkeypatch.setattr(loss, "evaluation_loss", lambda *args, **kwargs: (mx.array(0.0), mx.array(0.0)))  # nothing supervised
     with pytest.raises(UserError, match="no token was scored"):
         evaluate(model, tokenizer, valid)
 
