@@ -325,7 +325,7 @@ def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tup
             h = full.rfind(header, at[0], close) if header else -1
             if h >= 0:
                 body = full[h + len(header):close]
-                kept = body[_REASONING.match(body).end() if _REASONING.match(body) else 0:]
+                kept = _REASONING.sub("", body, count=1)
                 if kept.strip():
                     start = close - len(kept.lstrip())
         elif end_of_turn and not full.startswith(end_of_turn, end):

@@ -172,6 +172,7 @@ class Trainer:
         if self.window is not None:  # restored per parameter; the step may hold it as one vector
             grads, loss_sum, tokens = self.window
             self.window = (gradient_window(grads, self.layout), loss_sum, tokens)
+        dropped = 0  # metrics.jsonl records of steps this resumed run trains again
         if self.world.is_main:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +184,8 @@ class Trainer:
                 if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
                     checkpoint.remove_checkpoints(self.run_dir)
                 checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
-        dropped = checkpoint.drop_metrics_after(self.run_dir, self.step_count) if resume_from and self.world.is_main else 0
+            else:
+                dropped = checkpoint.drop_metrics_after(self.run_dir, self.step_count)
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
         self._describe()
         if resume_from:
