@@ -24,6 +24,7 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlxft import models
 
@@ -134,9 +135,70 @@ def _attention_for(original):
     return scaled_dot_product_attention
 
 
+def _input_gradient(linear: nn.Module, cotangent: mx.array) -> mx.array:
+    """The gradient of a frozen ``linear(x)`` with respect to ``x``: no activation needed.
+    (Through ``mx.vjp`` the compiled step also kept the forward product, a [tokens, out] array.)"""
+    if isinstance(linear, nn.QuantizedLinear):
+        return mx.quantized_matmul(cotangent, linear["weight"], scales=linear["scales"], biases=linear.get("biases"),
+                                   transpose=False, group_size=linear.group_size, bits=linear.bits, mode=linear.mode)
+    return cotangent @ linear["weight"]
+
+
+def _plain_lora(module: nn.Module) -> bool:
+    """Whether ``module`` is mlx-lm's LoRA layer (as mlxft computes it) over a frozen linear or
+    quantized linear, without an active dropout: what :func:`swiglu_lora` fuses."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from mlxft.lora import computes_in_input_dtype
+
+    return (isinstance(module, LoRALinear) and computes_in_input_dtype(module)
+            and type(module.linear) in (nn.Linear, nn.QuantizedLinear)
+            and (module.dropout._p_1 == 1 or not module.dropout.training)
+            and not tree_flatten(module.linear.trainable_parameters()))
+
+
+def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
+    """``down(swiglu(gate, up))`` for a :func:`_plain_lora` ``down``, whose backward pass keeps
+    only ``gate`` and ``up``.
+
+    Unfused, the adapter's ``lora_a`` gradient reads the SwiGLU's output, so the step keeps
+    that array as well, half as large as gate and up together, in every layer. Here the
+    backward pass recomputes it from them (elementwise); the frozen projection's input gradient
+    is the cotangent times its weight, which reads no activation."""
+    linear, scale = down.linear, down.scale
+
+    @mx.custom_function
+    def fused(gate, up, lora_a, lora_b):
+        hidden = swiglu(gate, up)
+        low = hidden @ lora_a.astype(hidden.dtype)
+        return linear(hidden) + (scale * (low @ lora_b.astype(hidden.dtype))).astype(hidden.dtype)
+
+    @fused.vjp
+    def fused_vjp(primals, cotangent, output):
+        gate, up, lora_a, lora_b = primals
+        gate = mx.depends(gate, cotangent)  # a recomputation of its own (see _swiglu_vjp)
+        dtype = cotangent.dtype
+        sigmoid = _sigmoid(gate)
+        silu_gate = gate * sigmoid
+        hidden = (silu_gate * up).reshape(-1, up.shape[-1])
+        scaled = (scale * cotangent.reshape(-1, cotangent.shape[-1])).astype(dtype)
+        low_cotangent = scaled @ lora_b.astype(dtype).T  # [tokens, rank]
+        grad_a = hidden.T @ low_cotangent
+        grad_b = (hidden @ lora_a.astype(dtype)).T @ scaled
+        grad_hidden = _input_gradient(linear, cotangent) + \
+            (low_cotangent @ lora_a.astype(dtype).T).reshape(up.shape)
+        return (grad_hidden * up * (sigmoid + silu_gate * (1 - sigmoid)), grad_hidden * silu_gate,
+                grad_a.astype(lora_a.dtype), grad_b.astype(lora_b.dtype))
+
+    return fused(gate, up, down.lora_a, down.lora_b)
+
+
 def _swiglu_mlp(gate: str, up: str, down: str):
     def call(self, x):
-        return self[down](swiglu(self[gate](x), self[up](x)))
+        g, u = self[gate](x), self[up](x)
+        if _plain_lora(self[down]):
+            return swiglu_lora(self[down], g, u)
+        return self[down](swiglu(g, u))
 
     return call
 

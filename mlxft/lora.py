@@ -107,6 +107,11 @@ def _lora_in_input_dtype(self, x):
     return y + (self.scale * z).astype(x.dtype)
 
 
+def computes_in_input_dtype(module: nn.Module) -> bool:
+    """Whether :func:`compute_lora_in_input_dtype` gave ``module`` its arithmetic."""
+    return type(module).__call__ is _lora_in_input_dtype
+
+
 def compute_lora_in_input_dtype(model: nn.Module) -> None:
     """Make every mlx-lm ``LoRALinear`` of ``model`` compute in its input's dtype.
 
