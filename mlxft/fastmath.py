@@ -15,7 +15,10 @@ against 1.17x before this module (1.37x twice once the benchmark timed every ste
 The SwiGLU here also has its own backward pass, on every device: it keeps only its two inputs
 where autograd keeps the sigmoid and the SiLU as well (tested on a compiled stack of MLPs:
 2 against 4 arrays of the MLP's width a block). SmolLM2-135M on the CPU, first 12 layers, 4 rows
-of 256 tokens: the compiled step's peak fell from 1,069 to 939 MB.
+of 256 tokens: the compiled step's peak fell from 1,069 to 939 MB. Where the down projection
+is a LoRA layer, :func:`swiglu_lora` makes the SwiGLU and that projection one function, so the
+SwiGLU's output is not kept for the adapter's gradient either (H200, plain chat: LFM2-1.2B
+11.36 -> 10.49 GB at the same speed).
 """
 
 from __future__ import annotations
