@@ -149,7 +149,8 @@ def _input_gradient(linear: nn.Module, cotangent: mx.array) -> mx.array:
 
 def _plain_lora(module: nn.Module) -> bool:
     """Whether ``module`` is mlx-lm's LoRA layer (as mlxft computes it) over a frozen linear or
-    quantized linear, without an active dropout: what :func:`swiglu_lora` fuses."""
+    quantized linear, without an active dropout, training nothing but ``lora_a`` and ``lora_b``
+    (the fused function takes the rest as constants): what :func:`swiglu_lora` fuses."""
     from mlx_lm.tuner.lora import LoRALinear
 
     from mlxft.lora import computes_in_input_dtype
@@ -157,7 +158,7 @@ def _plain_lora(module: nn.Module) -> bool:
     return (isinstance(module, LoRALinear) and computes_in_input_dtype(module)
             and type(module.linear) in (nn.Linear, nn.QuantizedLinear)
             and (module.dropout._p_1 == 1 or not module.dropout.training)
-            and not tree_flatten(module.linear.trainable_parameters()))
+            and {name for name, _ in tree_flatten(module.trainable_parameters())} <= {"lora_a", "lora_b"})
 
 
 def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:

@@ -225,6 +225,12 @@ def test_only_frozen_dropout_free_lora_projections_are_fused():
     trained_base = lora_down(False)
     trained_base.linear.unfreeze()
     assert not fastmath._plain_lora(trained_base)  # the weight's own gradient needs the input
+    trained_scale = lora_down(False)
+    trained_scale.scale = mx.array(2.0)  # a parameter the fused function would take as a constant
+    trained_scale.freeze(keys=["scale"], strict=False)
+    assert fastmath._plain_lora(trained_scale)
+    trained_scale.unfreeze(keys=["scale"], strict=False)
+    assert not fastmath._plain_lora(trained_scale)
     from mlx_lm.tuner.lora import LoRALinear
 
     mlx_lm_s_own = LoRALinear.from_base(nn.Linear(8, 8), r=2)  # mlx-lm's float32 LoRA arithmetic
