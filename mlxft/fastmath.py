@@ -93,13 +93,23 @@ def _swiglu_vjp(primals, cotangent, output):
     # Autograd would keep the sigmoid and the SiLU as well: two more [tokens, hidden] arrays a
     # layer. Recomputing the sigmoid costs one elementwise pass, which the compiled step fuses.
     gate, x = primals
-    # Tied to the cotangent, the recomputed sigmoid is a node of its own: otherwise the compiled
-    # step's common-subexpression elimination merges it with the forward pass's, which is then
-    # kept for the backward pass after all.
+    return _swiglu_input_gradients(cotangent, x, *_recomputed_silu(gate, cotangent))
+
+
+def _recomputed_silu(gate: mx.array, cotangent: mx.array) -> tuple[mx.array, mx.array]:
+    """``sigmoid(gate)`` and ``silu(gate)`` computed again for a backward pass.
+
+    Tied to the cotangent, the recomputed sigmoid is a node of its own: otherwise the compiled
+    step's common-subexpression elimination merges it with the forward pass's, which is then
+    kept for the backward pass after all."""
     gate = mx.depends(gate, cotangent)
     sigmoid = _sigmoid(gate)
-    silu_gate = gate * sigmoid
-    return cotangent * x * (sigmoid + silu_gate * (1 - sigmoid)), cotangent * silu_gate
+    return sigmoid, gate * sigmoid
+
+
+def _swiglu_input_gradients(grad, x, sigmoid, silu_gate) -> tuple[mx.array, mx.array]:
+    """The gradients of ``silu(gate) * x`` with respect to gate and x, given the output's."""
+    return grad * x * (sigmoid + silu_gate * (1 - sigmoid)), grad * silu_gate
 
 
 def attention(queries, keys, values, scale: float, mask) -> mx.array:
@@ -180,10 +190,8 @@ def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
     @fused.vjp
     def fused_vjp(primals, cotangent, output):
         gate, up, lora_a, lora_b = primals
-        gate = mx.depends(gate, cotangent)  # a recomputation of its own (see _swiglu_vjp)
         dtype = cotangent.dtype
-        sigmoid = _sigmoid(gate)
-        silu_gate = gate * sigmoid
+        sigmoid, silu_gate = _recomputed_silu(gate, cotangent)
         hidden = (silu_gate * up).reshape(-1, up.shape[-1])
         scaled = (scale * cotangent.reshape(-1, cotangent.shape[-1])).astype(dtype)
         low_cotangent = scaled @ lora_b.astype(dtype).T  # [tokens, rank]
@@ -191,7 +199,7 @@ def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
         grad_b = (hidden @ lora_a.astype(dtype)).T @ scaled
         grad_hidden = _input_gradient(linear, cotangent) + \
             (low_cotangent @ lora_a.astype(dtype).T).reshape(up.shape)
-        return (grad_hidden * up * (sigmoid + silu_gate * (1 - sigmoid)), grad_hidden * silu_gate,
+        return (*_swiglu_input_gradients(grad_hidden, up, sigmoid, silu_gate),
                 grad_a.astype(lora_a.dtype), grad_b.astype(lora_b.dtype))
 
     return fused(gate, up, down.lora_a, down.lora_b)

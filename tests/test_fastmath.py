@@ -177,7 +177,8 @@ def lora_down(quantized: bool, dropout: float = 0.0, dtype=mx.float32):
     base = nn.Linear(64, 16, bias=False)
     if quantized:
         base = nn.QuantizedLinear.from_linear(base, group_size=32, bits=4)
-    base.set_dtype(dtype) if not quantized else None
+    else:
+        base.set_dtype(dtype)
     down = LoRALinear.from_base(base, r=4, dropout=dropout, scale=2.0)
     down.freeze()
     down.unfreeze(keys=["lora_a", "lora_b"], strict=False)
