@@ -8,6 +8,10 @@ from mlxft import _gpu  # noqa: E402
 
 _gpu.configure()  # before anything can evaluate on the GPU
 
+from mlxft import _heap  # noqa: E402
+
+_heap.keep_freed_buffers()  # before the model's buffers are allocated
+
 __version__ = "0.1.0"
 
 from mlxft.config import RunConfig  # noqa: E402

@@ -39,3 +39,35 @@ def test_scipy_openblas_shim_is_built_once_and_exact(tmp_path):
 def test_opting_out_keeps_the_reference_blas_and_says_so(tmp_path):
     result = probe(tmp_path, "none")
     assert result["loaded"] is None and result["reference"] and result["err"] < 1e-4
+
+
+HEAP_PROBE = """
+import ctypes, json, mlxft._heap as heap
+import mlx.core as mx
+
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+x = mx.zeros((16 * 1024 * 1024,))  # a 64 MB MLX buffer, well past glibc's mmap threshold
+mx.eval(x)
+print(json.dumps({"applied": heap.applied, "mmapped": libc.mallinfo2().hblkhd}))
+"""
+
+
+def heap_probe(**env):
+    proc = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_buffers_come_from_the_heap_unless_the_user_set_malloc():
+    ours = heap_probe()
+    assert ours["applied"] and ours["mmapped"] < 2**20  # the 64 MB buffer is not a fresh mapping
+    for env in ({"MLXFT_HEAP": "default"}, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"},
+                {"MALLOC_MMAP_THRESHOLD_": "65536"}):
+        theirs = heap_probe(**env)
+        assert not theirs["applied"] and theirs["mmapped"] >= 64 * 2**20, env
