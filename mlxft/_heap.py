@@ -9,7 +9,8 @@ buffers stay in the heap and the next step reuses them (see :data:`TRIM_THRESHOL
 
 Applied once, on import, only on Linux with glibc while MLX's default device is the CPU (a CUDA
 build's buffers do not come from ``malloc``). A user's own ``GLIBC_TUNABLES`` malloc settings or
-``MALLOC_MMAP_*_``, ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_TOP_PAD_`` stand, and ``MLXFT_HEAP=default`` leaves glibc as it is.
+``MALLOC_MMAP_*_``, ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_TOP_PAD_`` stand, and
+``MLXFT_HEAP=default`` leaves glibc as it is.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import mlx.core as mx
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 # Free memory at the top of the heap beyond this goes back to the system; below it, it stays
-# for the next step. 2 GB: a CPU step's activations on the models this backend trains.
+# for the next step. 2 GB, the most mallopt's int takes (SmolLM2-135M's step peaks at 1.9 GB).
 TRIM_THRESHOLD = 2**31 - 1
 
 # glibc's own variables for what this module sets (and the two beside them).
