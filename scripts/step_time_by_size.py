@@ -1,0 +1,84 @@
+"""How a compiled step's time scales with its micro-batch: where it stops shrinking, the host bounds it.
+
+    python scripts/step_time_by_size.py --model config:lfm2-1.2b
+    python scripts/step_time_by_size.py --model config:lfm2-1.2b --grad-checkpoint
+
+Builds mlxft's Trainer on the benchmark's synthetic chat rows (``scripts/bench.py``), then repeats
+one micro-batch 20 times for each of four sizes: the 8 longest rows, 8 rows from the middle, the
+8 shortest, and one row of 32 tokens. Each step is queued the way the trainer queues it
+(``mx.async_eval``) and the time until the last one is done is divided by 20; ``queue_ms`` is the
+time spent in the calls alone and ``peak_gb`` the peak over those 20 steps. A step of 32 tokens
+leaves the device almost nothing to do, so its time is what queueing a step costs the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlxft  # noqa: F401,E402 - optimized BLAS before MLX on Linux
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="config:lfm2-1.2b", help="model dir, builtin:..., or config:NAME")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--grad-checkpoint", action="store_true", help="with --loss-chunk 512, as the benchmark's checkpointed rows")
+    args = p.parse_args()
+
+    import mlx.core as mx
+    import numpy as np
+
+    from bench import load_model, synthetic_rows
+    from mlxft.config import RunConfig
+    from mlxft.data import Dataset, Example, make_batch
+    from mlxft.trainer import Trainer
+
+    model, vocab = load_model(args.model, args.dtype)
+    rows = synthetic_rows(128, vocab, "chat", 512, 0, 0)
+    rows.sort(key=lambda r: -len(r.ids))
+    config = RunConfig.from_dict({
+        "model": {"model": args.model, "grad_checkpoint": args.grad_checkpoint, "loss_chunk": 512 if args.grad_checkpoint else 0},
+        "data": {"data": "in-memory", "length_bucket": 32, "max_seq_length": 513},
+        "adapter": {"targets": ["all"], "rank": 8, "alpha": 16.0},
+        "optim": {"optimizer": "adam", "learning_rate": 1e-4, "schedule": "constant", "max_grad_norm": 0.0},
+        "train": {"output_dir": tempfile.mkdtemp(), "batch_size": 8, "max_steps": 10, "memory_estimate": False}})
+    trainer = Trainer(config, model, tokenizer=None, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+    step = trainer.step
+    result = {"args": vars(args), "device": str(mx.default_device()),
+              "environment": {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")}}
+    tiny = [Example(r.ids[:32], r.mask[:32] | (np.arange(32) > 20)) for r in rows[:1]]
+    sizes = (("longest", rows[0:8], 8), ("middle", rows[60:68], 8), ("shortest", rows[120:128], 8), ("32 tokens", tiny, 1))
+    for label, chosen, batch_size in sizes:
+        batch = make_batch(chosen, batch_size, 32).arrays()
+        for _ in range(3):  # compile this shape
+            done, _ = step(batch, None, True)
+            mx.eval(done.loss_sum, step.state)
+        mx.synchronize()
+        mx.reset_peak_memory()
+        queue = 0.0
+        tic = time.perf_counter()
+        for _ in range(20):
+            t0 = time.perf_counter()
+            done, _ = step(batch, None, True)
+            mx.async_eval(done.loss_sum, step.state)
+            queue += time.perf_counter() - t0
+        mx.eval(done.loss_sum)
+        mx.synchronize()
+        wall = time.perf_counter() - tic
+        result[label] = {"tokens": int(batch[0].size), "queue_ms": round(queue / 20 * 1e3, 2),
+                         "step_ms": round(wall / 20 * 1e3, 2), "peak_gb": round(mx.get_peak_memory() / 1e9, 2)}
+        print(f"{label:10} {result[label]}", flush=True)
+    print("RESULT", json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
