@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,21 +36,13 @@ def main() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from bench import load_model, synthetic_rows
-    from mlxft.config import RunConfig
-    from mlxft.data import Dataset, Example, make_batch
-    from mlxft.trainer import Trainer
+    from bench import load_model, probe_trainer, synthetic_rows
+    from mlxft.data import Example, make_batch
 
     model, vocab = load_model(args.model, args.dtype)
     rows = synthetic_rows(128, vocab, "chat", 512, 0, 0)
     rows.sort(key=lambda r: -len(r.ids))
-    config = RunConfig.from_dict({
-        "model": {"model": args.model, "grad_checkpoint": args.grad_checkpoint, "loss_chunk": 512 if args.grad_checkpoint else 0},
-        "data": {"data": "in-memory", "length_bucket": 32, "max_seq_length": 513},
-        "adapter": {"targets": ["all"], "rank": 8, "alpha": 16.0},
-        "optim": {"optimizer": "adam", "learning_rate": 1e-4, "schedule": "constant", "max_grad_norm": 0.0},
-        "train": {"output_dir": tempfile.mkdtemp(), "batch_size": 8, "max_steps": 10, "memory_estimate": False}})
-    trainer = Trainer(config, model, tokenizer=None, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+    trainer = probe_trainer(args.model, model, rows, args.grad_checkpoint, 512 if args.grad_checkpoint else 0, 8)
     step = trainer.step
     result = {"args": vars(args), "device": str(mx.default_device()),
               "environment": {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")}}

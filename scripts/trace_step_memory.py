@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,26 +47,16 @@ def main() -> None:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from bench import load_model, synthetic_rows
+    from bench import load_model, probe_trainer, synthetic_rows
     from mlxft import loss, memory, models
-    from mlxft.config import RunConfig
-    from mlxft.data import Dataset, make_batch
-    from mlxft.trainer import Trainer
+    from mlxft.data import make_batch
 
     model, vocab = load_model(args.model, args.dtype)
     if args.layers:
         model.model.layers = model.model.layers[:args.layers]
     rows = synthetic_rows(128, vocab, "chat", 512, 512 if args.workload == "fixed" else 0, 0)
     rows.sort(key=lambda r: -len(r.ids))
-    config = RunConfig.from_dict({
-        "model": {"model": args.model, "grad_checkpoint": args.grad_checkpoint, "loss_chunk": args.loss_chunk},
-        "data": {"data": "in-memory", "length_bucket": 32, "max_seq_length": 513},
-        "adapter": {"targets": ["all"], "rank": 8, "alpha": 16.0},
-        "optim": {"optimizer": "adam", "learning_rate": 1e-4, "schedule": "constant", "max_grad_norm": 0.0},
-        "train": {"output_dir": tempfile.mkdtemp(), "batch_size": args.batch_size, "max_steps": 10,
-                  "memory_estimate": False},
-    })
-    trainer = Trainer(config, model, tokenizer=None, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+    trainer = probe_trainer(args.model, model, rows, args.grad_checkpoint, args.loss_chunk, args.batch_size)
     batch = make_batch(rows[:args.batch_size], args.batch_size, 32).arrays()
     step, chunk = trainer.step, args.loss_chunk
     result = {"args": vars(args), "device": str(mx.default_device()), "inputs": list(batch[0].shape),
