@@ -41,6 +41,27 @@ def test_opting_out_keeps_the_reference_blas_and_says_so(tmp_path):
     assert result["loaded"] is None and result["reference"] and result["err"] < 1e-4
 
 
+def test_mkl_installed_in_the_environment_comes_first_and_a_broken_one_is_passed_over(tmp_path):
+    """``pip install mkl`` puts libmkl_rt in the environment's lib/: mlxft tries it before the
+    system's OpenBLAS, and one that cannot be loaded leaves the choice as it was without it."""
+    def choose(prefix):
+        code = (f"import sys; sys.prefix = sys.base_prefix = {str(prefix)!r}\n"
+                "import json, mlxft._blas as blas\n"
+                "print(json.dumps({'order': blas._candidates(), 'loaded': blas.loaded}))")
+        env = {k: v for k, v in os.environ.items() if k != "MLXFT_BLAS"}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**env, "MLXFT_CACHE": str(tmp_path / "cache")})
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    (tmp_path / "with" / "lib").mkdir(parents=True)
+    fake = tmp_path / "with" / "lib" / "libmkl_rt.so.3"
+    fake.write_bytes(b"not a library")
+    with_fake, without = choose(tmp_path / "with"), choose(tmp_path / "without")
+    assert with_fake["order"] == [str(fake)] + without["order"] and without["order"][-1] == "scipy-openblas32"
+    assert with_fake["loaded"] == without["loaded"]
+
+
 HEAP_PROBE = """
 import ctypes, json, mlxft._heap as heap
 import mlx.core as mx
