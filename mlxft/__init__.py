@@ -12,6 +12,10 @@ from mlxft import _heap  # noqa: E402
 
 _heap.keep_freed_buffers()  # before the model's buffers are allocated
 
+from mlxft import _jit  # noqa: E402
+
+_jit.build_for_this_processor()  # before MLX compiles its first CPU kernel
+
 __version__ = "0.1.0"
 
 from mlxft.config import RunConfig  # noqa: E402
