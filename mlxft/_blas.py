@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 
+from mlxft.builtin import cache_dir  # plain Python: MLX is not imported before the BLAS
+
 _CANDIDATES = (
     # Debian / Ubuntu (apt install libopenblas0-pthread)
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -82,8 +84,7 @@ def _scipy_openblas_shim() -> str | None:
     if not os.path.exists(lib):
         return None
     key = hashlib.sha256(f"{lib}:{os.path.getmtime(lib)}:{_SHIM_SOURCE}".encode()).hexdigest()[:16]
-    cache = os.environ.get("MLXFT_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "mlxft")
-    shim = os.path.join(os.path.expanduser(cache), "blas", f"libmlxft_cblas-{key}.so")
+    shim = str(cache_dir() / "blas" / f"libmlxft_cblas-{key}.so")
     if os.path.exists(shim):
         return shim
     if compiler is None:

@@ -26,6 +26,8 @@ import tempfile
 
 import mlx.core as mx
 
+from mlxft.builtin import cache_dir
+
 applied: str | None = None
 """The directory whose ``g++`` wrapper this process put first on ``PATH``, or None."""
 
@@ -62,17 +64,12 @@ def write_wrapper(directory: str, real: str) -> str:
     return path
 
 
-def _directory() -> str:
-    cache = os.environ.get("MLXFT_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "mlxft")
-    return os.path.join(os.path.expanduser(cache), "jit", "bin")
-
-
 def build_for_this_processor() -> str | None:
     """Put the ``g++`` wrapper first on ``PATH`` (see the module); returns its directory or None."""
     global applied
     if applied is not None or not sys.platform.startswith("linux"):
         return applied
-    directory = _directory()
+    directory = str(cache_dir() / "jit" / "bin")
     path = os.environ.get("PATH", os.defpath).split(os.pathsep)
     others = os.pathsep.join(p for p in path if os.path.abspath(p or ".") != directory)
     if os.environ.get("MLXFT_JIT", "").strip().lower() == "default" or mx.default_device() != mx.cpu:
