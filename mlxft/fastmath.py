@@ -27,9 +27,9 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlxft import models
-from mlxft.projections import input_gradient, plain_lora
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125  # ln 2 split so k * _LN2_HI is exact for the k that occur
@@ -148,8 +148,31 @@ def _attention_for(original):
     return scaled_dot_product_attention
 
 
+def _input_gradient(linear: nn.Module, cotangent: mx.array) -> mx.array:
+    """The gradient of a frozen ``linear(x)`` with respect to ``x``: no activation needed.
+    (Through ``mx.vjp`` the compiled step also kept the forward product, a [tokens, out] array.)"""
+    if isinstance(linear, nn.QuantizedLinear):
+        return mx.quantized_matmul(cotangent, linear["weight"], scales=linear["scales"], biases=linear.get("biases"),
+                                   transpose=False, group_size=linear.group_size, bits=linear.bits, mode=linear.mode)
+    return cotangent @ linear["weight"]
+
+
+def _plain_lora(module: nn.Module) -> bool:
+    """Whether ``module`` is mlx-lm's LoRA layer (as mlxft computes it) over a frozen linear or
+    quantized linear, without an active dropout, training nothing but ``lora_a`` and ``lora_b``
+    (the fused function takes the rest as constants): what :func:`swiglu_lora` fuses."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from mlxft.lora import computes_in_input_dtype
+
+    return (isinstance(module, LoRALinear) and computes_in_input_dtype(module)
+            and type(module.linear) in (nn.Linear, nn.QuantizedLinear)
+            and (module.dropout._p_1 == 1 or not module.dropout.training)
+            and {name for name, _ in tree_flatten(module.trainable_parameters())} <= {"lora_a", "lora_b"})
+
+
 def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
-    """``down(swiglu(gate, up))`` for a :func:`~mlxft.projections.plain_lora` ``down``, whose backward pass keeps
+    """``down(swiglu(gate, up))`` for a :func:`_plain_lora` ``down``, whose backward pass keeps
     only ``gate`` and ``up``.
 
     Unfused, the adapter's ``lora_a`` gradient reads the SwiGLU's output, so the step keeps
@@ -174,7 +197,7 @@ def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
         low_cotangent = scaled @ lora_b.astype(dtype).T  # [tokens, rank]
         grad_a = hidden.T @ low_cotangent
         grad_b = (hidden @ lora_a.astype(dtype)).T @ scaled
-        grad_hidden = input_gradient(linear, cotangent) + \
+        grad_hidden = _input_gradient(linear, cotangent) + \
             (low_cotangent @ lora_a.astype(dtype).T).reshape(up.shape)
         return (*_swiglu_input_gradients(grad_hidden, up, sigmoid, silu_gate),
                 grad_a.astype(lora_a.dtype), grad_b.astype(lora_b.dtype))
@@ -185,7 +208,7 @@ def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
 def _swiglu_mlp(gate: str, up: str, down: str):
     def call(self, x):
         g, u = self[gate](x), self[up](x)
-        if plain_lora(self[down]):
+        if _plain_lora(self[down]):
             return swiglu_lora(self[down], g, u)
         return self[down](swiglu(g, u))
 

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from mlxft import _blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, packing, projections
+from mlxft import _blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, packing
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError, first_line
 from mlxft.loss import cross_entropy, evaluation_loss, hidden_loss, loss_fn

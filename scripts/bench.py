@@ -39,7 +39,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlxft import builtin, lora, models, projections  # noqa: E402
+from mlxft import builtin, lora, models  # noqa: E402
 from mlxft.config import AdapterConfig, RunConfig  # noqa: E402
 from mlxft.data import Dataset, Example, epoch_batches, make_batch  # noqa: E402
 from mlxft.loss import loss_fn  # noqa: E402
@@ -224,8 +224,6 @@ def run_mlxft(args, rows, val_rows):
     model, _ = load_model(args.model, args.dtype)
     if args.lora_float32:  # measure the lever: mlx-lm's float32 LoRA arithmetic
         lora.compute_lora_in_input_dtype = lambda model: None
-    if args.unfused_projections:  # measure the lever: every projection on its own
-        projections.fuse = lambda model: 0
     with tempfile.TemporaryDirectory() as tmp:
         config = RunConfig.from_dict({
             "model": {"model": args.model, "grad_checkpoint": args.grad_checkpoint,
@@ -315,8 +313,6 @@ def main() -> None:
     p.add_argument("--checkpoint-keep-mlp", action="store_true", help="with --grad-checkpoint, keep the MLP's gate and up projections")
     p.add_argument("--pack", action="store_true", help="mlxft packs each micro-batch's rows (same rows, same loss)")
     p.add_argument("--lora-float32", action="store_true", help="mlxft computes LoRA in float32 as mlx-lm does")
-    p.add_argument("--unfused-projections", action="store_true",
-                   help="mlxft computes q/k/v and gate/up one projection at a time (see mlxft.projections)")
     p.add_argument("--loss-chunk", type=int, default=0, help="mlxft scores supervised positions in recomputed chunks")
     p.add_argument("--clear-cache-above", type=float, default=-1.0, help="mlxft's train.clear_cache_above (GB)")
     p.add_argument("--memory-limit", type=float, default=0.0, help="mlxft's train.memory_limit (GB; MLX waits for queued work above it)")

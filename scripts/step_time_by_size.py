@@ -31,7 +31,6 @@ def main() -> None:
     p.add_argument("--model", default="config:lfm2-1.2b", help="model dir, builtin:..., or config:NAME")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--grad-checkpoint", action="store_true", help="with --loss-chunk 512, as the benchmark's checkpointed rows")
-    p.add_argument("--unfused-projections", action="store_true", help="each projection on its own (see mlxft.projections)")
     args = p.parse_args()
 
     import mlx.core as mx
@@ -40,10 +39,6 @@ def main() -> None:
     from bench import load_model, probe_trainer, synthetic_rows
     from mlxft.data import Example, make_batch
 
-    if args.unfused_projections:
-        from mlxft import projections
-
-        projections.fuse = lambda model: 0
     model, vocab = load_model(args.model, args.dtype)
     rows = synthetic_rows(128, vocab, "chat", 512, 0, 0)
     rows.sort(key=lambda r: -len(r.ids))
