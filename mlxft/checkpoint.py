@@ -15,6 +15,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -255,17 +256,22 @@ def checkpoint_name(step: int, kind: str = "step") -> str:
     return f"checkpoint-{step}" + ("-emergency" if kind == "emergency" else "")
 
 
-def _write_checkpoint_files(directory: Path, model, metadata, optimizer_state, window, trainer_state, config) -> None:
+def _write_checkpoint_files(directory: Path, model, metadata, optimizer_state, window, trainer_state, config,
+                            progress: Callable[[], None]) -> None:
     save_safetensors(directory / ADAPTER_FILE, trainable_weights(model), metadata)
+    progress()
     (directory / ADAPTER_CONFIG).write_text(json.dumps(mlx_lm_adapter_config(metadata), indent=2))
     save_safetensors(directory / OPTIMIZER_FILE, optimizer_state)
+    progress()
     if window:
         save_safetensors(directory / WINDOW_FILE, window)
+        progress()
     (directory / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
     (directory / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
     for path in directory.iterdir():
         with open(path, "rb") as f:
             os.fsync(f.fileno())
+        progress()
 
 
 def replace_directory(new: Path, final: Path) -> None:
@@ -293,16 +299,19 @@ def replace_directory(new: Path, final: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, name: str, model, metadata: dict, optimizer_state: dict[str, mx.array],
-                    window: dict[str, mx.array] | None, trainer_state: dict, config: dict) -> Path:
+                    window: dict[str, mx.array] | None, trainer_state: dict, config: dict,
+                    progress: Callable[[], None] = lambda: None) -> Path:
     """Write a checkpoint directory under a temporary name, rename it into place, point
-    ``latest`` at it. A crash at any moment leaves every earlier checkpoint intact."""
+    ``latest`` at it. A crash at any moment leaves every earlier checkpoint intact.
+    ``progress`` is called after each file (data-parallel runs show the other ranks they are
+    not waiting on a lost peer)."""
     run_dir = Path(run_dir)
     final = run_dir / name
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=run_dir))
     held = None
     try:
         _usual_mode(tmp, directory=True)
-        _write_checkpoint_files(tmp, model, metadata, optimizer_state, window, trainer_state, config)
+        _write_checkpoint_files(tmp, model, metadata, optimizer_state, window, trainer_state, config, progress)
         held = _hold_latest(run_dir, final)
         replace_directory(tmp, final)  # re-saving a step (e.g. final after a resume) swaps
         _point_latest(run_dir, name)

@@ -8,7 +8,8 @@ MLX's collectives block forever when a peer is gone, and ``mlx.launch`` exits 0 
 rank fails. So the backend is initialised explicitly (``strict``), and a watchdog process
 ends a rank with a clear message (and a non-zero exit) when start-up or training makes no
 progress for ``timeout`` seconds: a peer crashed or cannot be reached. It pauses while a rank
-does work that waits on no peer (loading, generating, saving), which can take any time.
+does work that waits on no peer (loading, generating), which can take any time. While rank 0
+saves, the others wait in collectives it answers between files (:meth:`World.main_rank_work`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
+from typing import Callable, TypeVar
 
 import mlx.core as mx
 
 from mlxft.errors import UserError, first_line
+
+T = TypeVar("T")
 
 # Environment variables each backend's launcher sets, in order of precedence.
 _LAUNCH_ENV = (
@@ -75,6 +79,31 @@ class World:
             return flag
         total = mx.distributed.all_sum(mx.array(1.0 if flag else 0.0), group=self.group)
         return bool(total.item() > 0)
+
+    def main_rank_work(self, work: Callable[[Callable[[], None]], T]) -> T | None:
+        """Run ``work(progress)`` on rank 0 while the other ranks wait for it (saving).
+
+        Rank 0 calls ``progress()`` between pieces of the work. Each call is a collective that
+        shows every rank that rank 0 is alive and restarts their watchdogs, so only a piece,
+        not the whole save, has to fit in the timeout, and a rank lost meanwhile is still
+        noticed (no watchdog is paused). Every rank must call this at the same point. Returns
+        ``work``'s result on rank 0 and None on the others."""
+        if self.size == 1:
+            return work(lambda: None)
+        if not self.is_main:
+            while self.any(False):
+                self.heartbeat()
+            return None
+
+        def progress() -> None:
+            self.any(True)
+            self.heartbeat()
+
+        try:
+            return work(progress)
+        finally:
+            self.any(False)  # releases the others, also when the work failed
+            self.heartbeat()
 
     def shard(self, indices):
         """This rank's rows of a global batch: strided, so lengths stay balanced."""

@@ -414,11 +414,10 @@ class Trainer:
             self._evaluate()
         if self._saves_after(k):
             tic = time.perf_counter()
-            with self.world.local_work():
-                self.save()
-                self.save_checkpoint("step")
-                if self.world.is_main:
-                    checkpoint.prune_checkpoints(self.run_dir, t.keep_checkpoints, self.run_id)
+            self.save()
+            self.save_checkpoint("step")
+            self.world.main_rank_work(lambda progress: checkpoint.prune_checkpoints(self.run_dir, t.keep_checkpoints,
+                                                                                   self.run_id))
             self.reporter.pause_clock(time.perf_counter() - tic)
 
     @property
@@ -499,19 +498,21 @@ class Trainer:
     def save_checkpoint(self, kind: str) -> Path:
         """A resumable checkpoint (``step``, ``emergency`` or ``final``) in the run directory.
 
-        Only rank 0 writes; the others return the path it writes to."""
-        if not self.world.is_main:
-            return self.run_dir / checkpoint.checkpoint_name(self.step_count, kind)
-        moments = dict(tree_flatten(optimizer_state(self.optimizer, self.layout)))
-        window = None
-        if self.window is not None:
-            grads, loss_sum, tokens = self.window
-            window = {**dict(tree_flatten(gradient_tree(grads, self.layout))), "mlxft.loss_sum": loss_sum, "mlxft.tokens": tokens}
-        # The other ranks wait for it in their next collective: --dist-timeout must cover a save.
-        with self.world.local_work():
-            path = checkpoint.save_checkpoint(
+        Only rank 0 writes; every rank calls this at the same point and returns the path."""
+        def write(progress):
+            moments = dict(tree_flatten(optimizer_state(self.optimizer, self.layout)))
+            window = None
+            if self.window is not None:
+                grads, loss_sum, tokens = self.window
+                window = {**dict(tree_flatten(gradient_tree(grads, self.layout))), "mlxft.loss_sum": loss_sum,
+                          "mlxft.tokens": tokens}
+            return checkpoint.save_checkpoint(
                 self.run_dir, checkpoint.checkpoint_name(self.step_count, kind), self.model, self.adapter_metadata(),
-                moments, window, self.resume_state(), self.config.to_saved_dict())
+                moments, window, self.resume_state(), self.config.to_saved_dict(), progress)
+
+        path = self.world.main_rank_work(write)
+        if path is None:
+            return self.run_dir / checkpoint.checkpoint_name(self.step_count, kind)
         self.reporter.info(f"checkpoint {path}")
         return path
 
@@ -540,15 +541,18 @@ class Trainer:
         return forced
 
     def save(self) -> None:
-        if not self.world.is_main:
-            return
-        with self.world.local_work():
+        """The run directory's adapters, configs, state and tokenizer (rank 0; every rank calls this)."""
+        def write(progress):
             if self.tokenizer is not None and not self.tokenizer_saved:  # files already there may be another model's
                 checkpoint.save_tokenizer(self.run_dir, self.tokenizer)
                 self.tokenizer_saved = True
+                progress()
             checkpoint.save_run(self.run_dir, self.model, self.adapter_metadata(), self.config.to_saved_dict(),
                                 self.training_state())
-        self.reporter.info(f"saved {self.run_dir} at step {self.step_count}")
+
+        self.world.main_rank_work(write)
+        if self.world.is_main:
+            self.reporter.info(f"saved {self.run_dir} at step {self.step_count}")
 
 
 def fine_tune(config: RunConfig, model=None, tokenizer=None) -> TrainResult:

@@ -143,6 +143,26 @@ def test_a_dead_rank_stops_the_other(llama_dir, uneven_data, tmp_path):
     assert code != 0 and ("another rank failed" in err or "no progress for 6 s" in err) and "Traceback" not in err
 
 
+def test_saves_may_outlast_the_timeout_while_each_file_fits(llama_dir, uneven_data, tmp_path):
+    """Rank 0 answers the waiting ranks between the files it writes: three files of 2 s each
+    make every save longer than --dist-timeout 5, and no rank may stop over it."""
+    script = tmp_path / "slow_saves.py"
+    script.write_text("import sys, time\n"
+                      "from mlxft import checkpoint\n"
+                      "from mlxft.train import main\n"
+                      "write = checkpoint.save_safetensors\n"
+                      "def slow(*args, **kwargs):\n"
+                      "    time.sleep(2)\n"
+                      "    return write(*args, **kwargs)\n"
+                      "checkpoint.save_safetensors = slow\n"
+                      "sys.exit(main())\n")
+    run = tmp_path / "run"
+    args = train_args(llama_dir, uneven_data, run, "--max-steps", 2, "--save-every", 1, "--dist-timeout", 5)[2:]
+    results = launch(tmp_path, [script, *args], timeout=180)
+    assert [r[0] for r in results] == [0, 0], [r[2][-500:] for r in results]
+    assert (run / "checkpoint-1").is_dir() and (run / "latest").resolve() == (run / "final")
+
+
 def test_watchdog_pauses_for_local_work_only():
     """Generating, loading or saving (local work) may outlast --dist-timeout; silence after it may not."""
     victim = subprocess.Popen(["sleep", "30"])  # stands in for the rank the watchdog guards
