@@ -45,7 +45,7 @@ from mlxft.data import Dataset, Example, epoch_batches, make_batch  # noqa: E402
 from mlxft.loss import loss_fn  # noqa: E402
 
 # MLX settings both trainers' processes inherit (mlxft sets them on import where unset).
-ENVIRONMENT = ("MLX_MAX_MB_PER_BUFFER", "MLX_MAX_OPS_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE")
+ENVIRONMENT = ("MLX_MAX_MB_PER_BUFFER", "MLX_MAX_OPS_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE", "MLX_BFS_MAX_WIDTH")
 
 # Hub configurations of the anchor models (random weights; no download).
 CONFIGS = {
