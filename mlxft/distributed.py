@@ -86,24 +86,32 @@ class World:
         Rank 0 calls ``progress()`` between pieces of the work. Each call is a collective that
         shows every rank that rank 0 is alive and restarts their watchdogs, so only a piece,
         not the whole save, has to fit in the timeout, and a rank lost meanwhile is still
-        noticed (no watchdog is paused). Every rank must call this at the same point. Returns
-        ``work``'s result on rank 0 and None on the others."""
+        noticed (no watchdog is paused). When a collective fails (a peer went away), rank 0
+        finishes the work alone and then raises that error. Every rank must call this at the
+        same point. Returns ``work``'s result on rank 0 and None on the others."""
         if self.size == 1:
             return work(lambda: None)
         if not self.is_main:
             while self.any(False):
                 self.heartbeat()
             return None
+        lost: list[RuntimeError] = []
 
-        def progress() -> None:
-            self.any(True)
-            self.heartbeat()
+        def answer(busy: bool) -> None:
+            if not lost:
+                try:
+                    self.any(busy)
+                except RuntimeError as err:  # MLX's collectives raise this when a peer is gone
+                    lost.append(err)
+                self.heartbeat()
 
         try:
-            return work(progress)
+            result = work(lambda: answer(True))
         finally:
-            self.any(False)  # releases the others, also when the work failed
-            self.heartbeat()
+            answer(False)  # releases the others, also when the work failed
+        if lost:
+            raise lost[0]
+        return result
 
     def shard(self, indices):
         """This rank's rows of a global batch: strided, so lengths stay balanced."""

@@ -288,8 +288,7 @@ class Trainer:
             if self.valid_set is not None and not self._evaluates_after(self.step_count):
                 self._evaluate()
             stopped = self.world.any(self.stop.requested)  # agreed first: no rank waits in it while rank 0 saves
-            self.save()
-            path = self.save_checkpoint("final")
+            path = self.save_checkpoint("final", run_files=True)
             if stopped or self.stop.requested:
                 self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
                 raise TrainingStopped(f"stopped by {self.stop.name} after the last step ({self.step_count}); saved {path}",
@@ -414,10 +413,7 @@ class Trainer:
             self._evaluate()
         if self._saves_after(k):
             tic = time.perf_counter()
-            self.save()
-            self.save_checkpoint("step")
-            self.world.main_rank_work(lambda progress: checkpoint.prune_checkpoints(self.run_dir, t.keep_checkpoints,
-                                                                                   self.run_id))
+            self.save_checkpoint("step", run_files=True)
             self.reporter.pause_clock(time.perf_counter() - tic)
 
     @property
@@ -495,26 +491,34 @@ class Trainer:
             "run_id": self.run_id,
         }
 
-    def save_checkpoint(self, kind: str) -> Path:
-        """A resumable checkpoint (``step``, ``emergency`` or ``final``) in the run directory.
+    def save_checkpoint(self, kind: str, run_files: bool = False) -> Path:
+        """A resumable checkpoint (``step``, ``emergency`` or ``final``) in the run directory;
+        with ``run_files``, the run directory's own files (:meth:`save`) first, in the same wait.
 
-        Only rank 0 writes; every rank calls this at the same point and returns the path."""
+        Only rank 0 writes; every rank calls this at the same point and returns the path. A
+        step checkpoint is followed by pruning the older ones. A peer lost during the save is
+        reported (raised) once rank 0 has finished writing."""
+        name = checkpoint.checkpoint_name(self.step_count, kind)
+
         def write(progress):
+            if run_files:
+                self._write_run_files(progress)
+                progress()
             moments = dict(tree_flatten(optimizer_state(self.optimizer, self.layout)))
             window = None
             if self.window is not None:
                 grads, loss_sum, tokens = self.window
                 window = {**dict(tree_flatten(gradient_tree(grads, self.layout))), "mlxft.loss_sum": loss_sum,
                           "mlxft.tokens": tokens}
-            return checkpoint.save_checkpoint(
-                self.run_dir, checkpoint.checkpoint_name(self.step_count, kind), self.model, self.adapter_metadata(),
-                moments, window, self.resume_state(), self.config.to_saved_dict(), progress)
+            path = checkpoint.save_checkpoint(self.run_dir, name, self.model, self.adapter_metadata(), moments, window,
+                                              self.resume_state(), self.config.to_saved_dict(), progress)
+            self.reporter.info(f"checkpoint {path}")
+            if kind == "step":
+                progress()
+                checkpoint.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints, self.run_id)
 
-        path = self.world.main_rank_work(write)
-        if path is None:
-            return self.run_dir / checkpoint.checkpoint_name(self.step_count, kind)
-        self.reporter.info(f"checkpoint {path}")
-        return path
+        self.world.main_rank_work(write)
+        return self.run_dir / name
 
     def _restore(self, path: Path) -> list[str]:
         """Load a checkpoint's weights, optimizer, random state and position."""
@@ -542,17 +546,16 @@ class Trainer:
 
     def save(self) -> None:
         """The run directory's adapters, configs, state and tokenizer (rank 0; every rank calls this)."""
-        def write(progress):
-            if self.tokenizer is not None and not self.tokenizer_saved:  # files already there may be another model's
-                checkpoint.save_tokenizer(self.run_dir, self.tokenizer)
-                self.tokenizer_saved = True
-                progress()
-            checkpoint.save_run(self.run_dir, self.model, self.adapter_metadata(), self.config.to_saved_dict(),
-                                self.training_state())
+        self.world.main_rank_work(self._write_run_files)
 
-        self.world.main_rank_work(write)
-        if self.world.is_main:
-            self.reporter.info(f"saved {self.run_dir} at step {self.step_count}")
+    def _write_run_files(self, progress) -> None:
+        if self.tokenizer is not None and not self.tokenizer_saved:  # files already there may be another model's
+            checkpoint.save_tokenizer(self.run_dir, self.tokenizer)
+            self.tokenizer_saved = True
+            progress()
+        checkpoint.save_run(self.run_dir, self.model, self.adapter_metadata(), self.config.to_saved_dict(),
+                            self.training_state())
+        self.reporter.info(f"saved {self.run_dir} at step {self.step_count}")
 
 
 def fine_tune(config: RunConfig, model=None, tokenizer=None) -> TrainResult:

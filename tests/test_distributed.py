@@ -15,7 +15,7 @@ import pytest
 import mlx.core as mx
 
 from conftest import write_jsonl
-from mlxft import distributed, generation
+from mlxft import checkpoint, distributed, generation
 from mlxft.config import RunConfig
 from mlxft.trainer import Trainer
 
@@ -161,6 +161,25 @@ def test_saves_may_outlast_the_timeout_while_each_file_fits(llama_dir, uneven_da
     results = launch(tmp_path, [script, *args], timeout=180)
     assert [r[0] for r in results] == [0, 0], [r[2][-500:] for r in results]
     assert (run / "checkpoint-1").is_dir() and (run / "latest").resolve() == (run / "final")
+
+
+def test_a_rank_lost_during_a_save_leaves_the_checkpoint_written(llama_dir, uneven_data, tmp_path):
+    """Rank 1 leaves as rank 0 starts its first save: rank 0 finishes writing alone, then exits
+    with the lost peer's error."""
+    script = tmp_path / "leave_at_save.py"
+    script.write_text("import os, sys\n"
+                      "from mlxft import distributed\n"
+                      "from mlxft.train import main\n"
+                      "if os.environ['MLX_RANK'] == '1':\n"
+                      "    distributed.World.main_rank_work = lambda self, work: os._exit(9)\n"
+                      "sys.exit(main())\n")
+    run = tmp_path / "run"
+    args = train_args(llama_dir, uneven_data, run, "--max-steps", 3, "--save-every", 1, "--dist-timeout", 30)[2:]
+    (code, _, err), (left, _, _) = launch(tmp_path, [script, *args], timeout=180)
+    assert left == 9 and code == 3, err[-800:]
+    assert "another rank failed" in err and "Traceback" not in err
+    saved = checkpoint.load_checkpoint(run / "checkpoint-1")
+    assert saved["state"]["step"] == 1 and (run / "latest").resolve() == run / "checkpoint-1"
 
 
 def test_watchdog_pauses_for_local_work_only():
