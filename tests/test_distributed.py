@@ -143,19 +143,22 @@ def test_a_dead_rank_stops_the_other(llama_dir, uneven_data, tmp_path):
     assert code != 0 and ("another rank failed" in err or "no progress for 6 s" in err) and "Traceback" not in err
 
 
+def patched_cli(tmp_path, patch: str):
+    """A script that runs ``python -m mlxft.train`` after ``patch`` (Python source) has run."""
+    script = tmp_path / f"patched-{time.monotonic_ns()}.py"
+    script.write_text("import os, sys, time\nfrom mlxft import checkpoint, distributed\nfrom mlxft.train import main\n"
+                      + patch + "sys.exit(main())\n")
+    return script
+
+
 def test_saves_may_outlast_the_timeout_while_each_file_fits(llama_dir, uneven_data, tmp_path):
     """Rank 0 answers the waiting ranks between the files it writes: three files of 2 s each
     make every save longer than --dist-timeout 5, and no rank may stop over it."""
-    script = tmp_path / "slow_saves.py"
-    script.write_text("import sys, time\n"
-                      "from mlxft import checkpoint\n"
-                      "from mlxft.train import main\n"
-                      "write = checkpoint.save_safetensors\n"
-                      "def slow(*args, **kwargs):\n"
-                      "    time.sleep(2)\n"
-                      "    return write(*args, **kwargs)\n"
-                      "checkpoint.save_safetensors = slow\n"
-                      "sys.exit(main())\n")
+    script = patched_cli(tmp_path, "write = checkpoint.save_safetensors\n"
+                                   "def slow(*args, **kwargs):\n"
+                                   "    time.sleep(2)\n"
+                                   "    return write(*args, **kwargs)\n"
+                                   "checkpoint.save_safetensors = slow\n")
     run = tmp_path / "run"
     args = train_args(llama_dir, uneven_data, run, "--max-steps", 2, "--save-every", 1, "--dist-timeout", 5)[2:]
     results = launch(tmp_path, [script, *args], timeout=180)
@@ -166,13 +169,8 @@ def test_saves_may_outlast_the_timeout_while_each_file_fits(llama_dir, uneven_da
 def test_a_rank_lost_during_a_save_leaves_the_checkpoint_written(llama_dir, uneven_data, tmp_path):
     """Rank 1 leaves as rank 0 starts its first save: rank 0 finishes writing alone, then exits
     with the lost peer's error."""
-    script = tmp_path / "leave_at_save.py"
-    script.write_text("import os, sys\n"
-                      "from mlxft import distributed\n"
-                      "from mlxft.train import main\n"
-                      "if os.environ['MLX_RANK'] == '1':\n"
-                      "    distributed.World.main_rank_work = lambda self, work: os._exit(9)\n"
-                      "sys.exit(main())\n")
+    script = patched_cli(tmp_path, "if os.environ['MLX_RANK'] == '1':\n"
+                                   "    distributed.World.main_rank_work = lambda self, work: os._exit(9)\n")
     run = tmp_path / "run"
     args = train_args(llama_dir, uneven_data, run, "--max-steps", 3, "--save-every", 1, "--dist-timeout", 30)[2:]
     (code, _, err), (left, _, _) = launch(tmp_path, [script, *args], timeout=180)
