@@ -85,9 +85,10 @@ class World:
 
         Rank 0 calls ``progress()`` between pieces of the work. Each call is a collective that
         shows every rank that rank 0 is alive and restarts their watchdogs, so only a piece,
-        not the whole save, has to fit in the timeout, and a rank lost meanwhile is still
-        noticed (no watchdog is paused). When a collective fails (a peer went away), rank 0
-        finishes the work alone and then raises that error. Every rank must call this at the
+        not the whole save, has to fit in the timeout on the waiting ranks, and a rank lost
+        meanwhile is still noticed. Rank 0's own watchdog runs only during those collectives:
+        its pieces take as long as they take. When a collective fails (a peer went away), rank
+        0 finishes the work alone and then raises that error. Every rank must call this at the
         same point. Returns ``work``'s result on rank 0 and None on the others."""
         if self.size == 1:
             return work(lambda: None)
@@ -98,15 +99,23 @@ class World:
         lost: list[RuntimeError] = []
 
         def answer(busy: bool) -> None:
-            if not lost:
-                try:
-                    self.any(busy)
-                except RuntimeError as err:  # MLX's collectives raise this when a peer is gone
-                    lost.append(err)
-                self.heartbeat()
+            if lost:
+                return
+            watching = self._local_depth > 0 and self._watchdog is not None
+            if watching:  # a collective can hang on a lost peer: the watchdog times it
+                self._watchdog.resume()
+            try:
+                self.any(busy)
+            except RuntimeError as err:  # MLX's collectives raise this when a peer is gone
+                lost.append(err)
+            finally:
+                if watching:
+                    self._watchdog.pause()
+            self.heartbeat()
 
         try:
-            result = work(lambda: answer(True))
+            with self.local_work():
+                result = work(lambda: answer(True))
         finally:
             answer(False)  # releases the others, also when the work failed
         if lost:

@@ -180,6 +180,24 @@ def test_a_rank_lost_during_a_save_leaves_the_checkpoint_written(llama_dir, unev
     assert saved["state"]["step"] == 1 and (run / "latest").resolve() == run / "checkpoint-1"
 
 
+def test_a_file_longer_than_the_timeout_is_still_written(llama_dir, uneven_data, tmp_path):
+    """One checkpoint file takes 8 s against --dist-timeout 4: the waiting rank gives up, and
+    rank 0 still finishes that checkpoint (its own clock runs only while it waits on a peer)."""
+    script = patched_cli(tmp_path, "write = checkpoint.save_safetensors\n"
+                                   "def slow(path, arrays, *args, **kwargs):\n"
+                                   "    if 'optimizer' in str(path):\n"
+                                   "        time.sleep(8)\n"
+                                   "    return write(path, arrays, *args, **kwargs)\n"
+                                   "checkpoint.save_safetensors = slow\n")
+    run = tmp_path / "run"
+    args = train_args(llama_dir, uneven_data, run, "--max-steps", 3, "--save-every", 1, "--dist-timeout", 4)[2:]
+    (code, _, err), (waited, _, waited_err) = launch(tmp_path, [script, *args], timeout=180)
+    assert waited != 0 and "no progress for 4 s" in waited_err, waited_err[-500:]
+    assert code != 0
+    saved = checkpoint.load_checkpoint(run / "checkpoint-1")
+    assert saved["state"]["step"] == 1 and (run / "latest").resolve() == run / "checkpoint-1"
+
+
 def test_watchdog_pauses_for_local_work_only():
     """Generating, loading or saving (local work) may outlast --dist-timeout; silence after it may not."""
     victim = subprocess.Popen(["sleep", "30"])  # stands in for the rank the watchdog guards
