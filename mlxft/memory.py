@@ -65,6 +65,9 @@ def configure(memory_limit_gb: float, cache_limit_gb: float) -> str:
         cap, variable = os.environ.get(_gpu.GRAPH_MB_VARIABLE), _gpu.GRAPH_MB_VARIABLE
         notes.append(f"CUDA graphs of up to {cap}M input elements ({variable})" if cap
                      else f"CUDA graphs of MLX's default size ({variable} unset)")
+    width = os.environ.get(_gpu.EVAL_WIDTH_VARIABLE)
+    notes.append(f"evaluation width {width} ({_gpu.EVAL_WIDTH_VARIABLE})" if width
+                 else f"MLX's default evaluation width ({_gpu.EVAL_WIDTH_VARIABLE} unset)")
     return ", ".join(notes)
 
 

@@ -172,6 +172,17 @@ def test_cuda_graph_cache_is_raised_unless_the_user_set_it():
     assert (default.stdout.strip(), chosen.stdout.strip()) == ("1000", "7")
 
 
+def test_the_memory_line_names_the_evaluation_width(monkeypatch):
+    limit = mx.get_memory_limit()
+    try:
+        monkeypatch.setenv(_gpu.EVAL_WIDTH_VARIABLE, "1")
+        assert "evaluation width 1 (MLX_BFS_MAX_WIDTH)" in memory.configure(0, -1)
+        monkeypatch.delenv(_gpu.EVAL_WIDTH_VARIABLE)
+        assert "MLX's default evaluation width (MLX_BFS_MAX_WIDTH unset)" in memory.configure(0, -1)
+    finally:
+        mx.set_memory_limit(limit)
+
+
 def test_graphs_are_evaluated_one_branch_at_a_time_unless_the_user_chose_a_width(tmp_path):
     """32 independent branches, each an array of 2 MiB summed to a scalar: MLX's default order
     keeps many of them alive together, mlxft's (MLX_BFS_MAX_WIDTH=1) far fewer."""
