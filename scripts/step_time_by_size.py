@@ -36,7 +36,7 @@ def main() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from bench import load_model, probe_trainer, synthetic_rows
+    from bench import ENVIRONMENT, load_model, probe_trainer, synthetic_rows
     from mlxft.data import Example, make_batch
 
     model, vocab = load_model(args.model, args.dtype)
@@ -45,7 +45,7 @@ def main() -> None:
     trainer = probe_trainer(args.model, model, rows, args.grad_checkpoint, 512 if args.grad_checkpoint else 0, 8)
     step = trainer.step
     result = {"args": vars(args), "device": str(mx.default_device()),
-              "environment": {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_BFS_MAX_WIDTH")}}
+              "environment": {k: os.environ.get(k) for k in ENVIRONMENT}}
     tiny = [Example(r.ids[:32], r.mask[:32] | (np.arange(32) > 20)) for r in rows[:1]]
     sizes = (("longest", rows[0:8], 8), ("middle", rows[60:68], 8), ("shortest", rows[120:128], 8), ("32 tokens", tiny, 1))
     for label, chosen, batch_size in sizes:

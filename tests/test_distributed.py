@@ -151,14 +151,21 @@ def patched_cli(tmp_path, patch: str):
     return script
 
 
+def slowed_writes(seconds: float, only: str = "") -> str:
+    """Patch source for :func:`patched_cli`: each safetensors file whose path contains ``only``
+    takes ``seconds`` longer to write."""
+    return ("write = checkpoint.save_safetensors\n"
+            "def slow(path, *args, **kwargs):\n"
+            f"    if {only!r} in str(path):\n"
+            f"        time.sleep({seconds})\n"
+            "    return write(path, *args, **kwargs)\n"
+            "checkpoint.save_safetensors = slow\n")
+
+
 def test_saves_may_outlast_the_timeout_while_each_file_fits(llama_dir, uneven_data, tmp_path):
     """Rank 0 answers the waiting ranks between the files it writes: three files of 2 s each
     make every save longer than --dist-timeout 5, and no rank may stop over it."""
-    script = patched_cli(tmp_path, "write = checkpoint.save_safetensors\n"
-                                   "def slow(*args, **kwargs):\n"
-                                   "    time.sleep(2)\n"
-                                   "    return write(*args, **kwargs)\n"
-                                   "checkpoint.save_safetensors = slow\n")
+    script = patched_cli(tmp_path, slowed_writes(2))
     run = tmp_path / "run"
     args = train_args(llama_dir, uneven_data, run, "--max-steps", 2, "--save-every", 1, "--dist-timeout", 5)[2:]
     results = launch(tmp_path, [script, *args], timeout=180)
@@ -183,12 +190,7 @@ def test_a_rank_lost_during_a_save_leaves_the_checkpoint_written(llama_dir, unev
 def test_a_file_longer_than_the_timeout_is_still_written(llama_dir, uneven_data, tmp_path):
     """One checkpoint file takes 8 s against --dist-timeout 4: the waiting rank gives up, and
     rank 0 still finishes that checkpoint (its own clock runs only while it waits on a peer)."""
-    script = patched_cli(tmp_path, "write = checkpoint.save_safetensors\n"
-                                   "def slow(path, arrays, *args, **kwargs):\n"
-                                   "    if 'optimizer' in str(path):\n"
-                                   "        time.sleep(8)\n"
-                                   "    return write(path, arrays, *args, **kwargs)\n"
-                                   "checkpoint.save_safetensors = slow\n")
+    script = patched_cli(tmp_path, slowed_writes(8, only="optimizer"))
     run = tmp_path / "run"
     args = train_args(llama_dir, uneven_data, run, "--max-steps", 3, "--save-every", 1, "--dist-timeout", 4)[2:]
     (code, _, err), (waited, _, waited_err) = launch(tmp_path, [script, *args], timeout=180)
