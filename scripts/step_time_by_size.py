@@ -31,6 +31,8 @@ def main() -> None:
     p.add_argument("--model", default="config:lfm2-1.2b", help="model dir, builtin:..., or config:NAME")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--grad-checkpoint", action="store_true", help="with --loss-chunk 512, as the benchmark's checkpointed rows")
+    p.add_argument("--checkpoint-layers", type=int, default=0, help="recompute only the first N layers (with --grad-checkpoint)")
+    p.add_argument("--checkpoint-keep-mlp", action="store_true", help="keep the MLP's gate and up (with --grad-checkpoint)")
     args = p.parse_args()
 
     import mlx.core as mx
@@ -42,7 +44,8 @@ def main() -> None:
     model, vocab = load_model(args.model, args.dtype)
     rows = synthetic_rows(128, vocab, "chat", 512, 0, 0)
     rows.sort(key=lambda r: -len(r.ids))
-    trainer = probe_trainer(args.model, model, rows, args.grad_checkpoint, 512 if args.grad_checkpoint else 0, 8)
+    trainer = probe_trainer(args.model, model, rows, args.grad_checkpoint, 512 if args.grad_checkpoint else 0, 8,
+                            checkpoint_layers=args.checkpoint_layers, checkpoint_keep_mlp=args.checkpoint_keep_mlp)
     step = trainer.step
     result = {"args": vars(args), "device": str(mx.default_device()),
               "environment": {k: os.environ.get(k) for k in ENVIRONMENT}}
