@@ -83,10 +83,31 @@ class Estimate:
     training_state: float
     activations: float
     loss: float
+    recompute_savings: tuple[int, ...] = ()
+    """Per layer, in model order: the bytes it would stop keeping for the backward pass if it
+    were recomputed (0 for a layer already recomputed or not trained)."""
+    recompute_peaks: tuple[int, ...] = ()
+    """Per layer: what its backward pass would hold over its input if it were recomputed."""
+    transient: int = 0
+    """The most any layer's backward pass holds over what the layers keep (in ``activations``)."""
 
     @property
     def total(self) -> float:
         return self.weights + self.training_state + self.activations + self.loss
+
+    def total_recomputing(self, first: int) -> float:
+        """The estimate with the first ``first`` layers recomputed: each one stops keeping its
+        activations, and the one being recomputed holds them again during its backward pass."""
+        recomputed = self.recompute_peaks[:first]
+        return self.total - sum(self.recompute_savings[:first]) + max(max(recomputed, default=0) - self.transient, 0)
+
+    def layers_to_recompute(self, limit: float) -> int | None:
+        """The fewest first layers to recompute (``--checkpoint-layers``) for the estimate to fit
+        ``limit`` bytes; None when recomputing more layers cannot bring it under (or adds nothing)."""
+        for first in range(1, len(self.recompute_savings) + 1):
+            if self.recompute_savings[first - 1] and self.total_recomputing(first) <= limit:
+                return first
+        return None
 
     def describe(self) -> str:
         return (f"{self.total / GB:.2f} GB (weights {self.weights / GB:.2f}, adapters + gradients + optimizer "
@@ -188,7 +209,8 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
         trained = bool(tree_flatten(layer.trainable_parameters()))
         kinds.setdefault((kind, is_checkpointed(layer), trained), []).append(layer)
     activations, transient = 0, 0
-    for (_, _, trained), members in kinds.items():
+    savings, peaks = {}, {}  # id(layer) -> what recomputing it would save, and hold while it runs
+    for (_, checkpointed, trained), members in kinds.items():
         if not trained:
             # --num-layers N trains the last N: the layers before them lie on no path from a
             # trainable parameter to the loss, so the backward pass skips them and their
@@ -196,15 +218,21 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
             transient = max(transient, _probe(_layer_call(members[0], layout), x))
             continue
         kept = _kept_for_backward(members[0], layout, x)
+        peak = _layer_peak(members[0], layout, x)
         activations += kept * len(members)
-        transient = max(transient, _layer_peak(members[0], layout, x) - kept)
+        transient = max(transient, peak - kept)
+        if not checkpointed:  # recomputed, a layer keeps its input alone, and holds the rest again in its turn
+            savings.update((id(layer), kept - x.nbytes) for layer in members)
+            peaks.update((id(layer), peak - x.nbytes) for layer in members)
     hidden = mx.random.normal((max(supervised, 1), dim)).astype(dtype)
     # Compiled as in the step: the loss's backward is an elementwise expression that only a
     # compiled graph fuses (eagerly it allocates float32 [N, vocab] temporaries the step does not).
     loss_bytes = _probe(mx.compile(mx.grad(loss_of_hidden)), hidden)
     # Every layer's input gradient flows through the embedding output of [batch, length, dim].
     embedding = batch * length * dim * dtype.size
-    return Estimate(weights, state, activations + transient + embedding, loss_bytes)
+    return Estimate(weights, state, activations + transient + embedding, loss_bytes,
+                    tuple(savings.get(id(layer), 0) for layer in layers),
+                    tuple(peaks.get(id(layer), 0) for layer in layers), transient)
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -214,11 +242,33 @@ def is_out_of_memory(err: BaseException) -> bool:
                                    "attempting to allocate", "malloc"))
 
 
-def advice(config) -> str:
-    """The settings that bring a run's memory down, most effective first."""
+def _recompute_hint(config, estimate: Estimate | None, limit: float | None) -> str | None:
+    """The fewest recomputed layers that fit ``limit`` by ``estimate``, as flags, with the estimate
+    they give (every layer's when none fits); plain ``--grad-checkpoint`` without an estimate, or
+    with one that said the run fits (the run has shown it wrong)."""
+    model = config.model
+    if model.grad_checkpoint and not model.checkpoint_layers:
+        return None  # every layer is recomputed already
+    if estimate is None or limit is None or estimate.total <= limit or model.checkpoint_keep_mlp \
+            or not any(estimate.recompute_savings):
+        return None if model.grad_checkpoint else "--grad-checkpoint"
+    layers = len(estimate.recompute_savings)
+    first = estimate.layers_to_recompute(limit) or layers
+    if first >= layers:  # 0 = every layer
+        flags = "--checkpoint-layers 0" if model.grad_checkpoint else "--grad-checkpoint"
+    else:
+        flags = ("" if model.grad_checkpoint else "--grad-checkpoint ") + f"--checkpoint-layers {first}"
+    return f"{flags} (estimated {estimate.total_recomputing(first) / GB:.2f} GB)"
+
+
+def advice(config, estimate: Estimate | None = None, limit: float | None = None) -> str:
+    """The settings that bring a run's memory down, most effective first. Given the run's
+    ``estimate`` and the ``limit`` it passed, recomputation is advised for as few layers as fit
+    (the rest keep their activations and their speed)."""
     hints = []
-    if not config.model.grad_checkpoint:
-        hints.append("--grad-checkpoint")
+    recompute = _recompute_hint(config, estimate, limit)
+    if recompute:
+        hints.append(recompute)
     hints.append(f"--batch-size {max(config.train.batch_size // 2, 1)} with --grad-accum-steps "
                  f"{config.train.grad_accum_steps * 2} (same effective batch)")
     hints.append(f"--max-seq-length {max(config.data.max_seq_length // 2, 1)}")

@@ -97,6 +97,37 @@ def test_layers_before_the_trained_ones_keep_nothing(wider_model, tmp_path):
     assert 0.75 <= last_two.estimate.total / measured <= 1.25, (last_two.estimate.describe(), measured / memory.GB)
 
 
+def test_advice_recomputes_as_few_layers_as_fit_the_limit(wider_model, tmp_path):
+    plain = trainer(wider_model, tmp_path / "a").estimate
+    layers = len(plain.recompute_savings)
+    assert layers == 4 and all(saving > 0 for saving in plain.recompute_savings)
+    # A limit that recomputing the first two layers meets and recomputing one does not.
+    fits, short = plain.total_recomputing(2), plain.total_recomputing(1)
+    assert fits < short <= plain.total
+    limit = (fits + short) / 2
+    config = RunConfig.from_dict({"model": {"model": str(wider_model)}})
+    assert memory.advice(config, plain, limit).startswith(
+        f"lower memory with --grad-checkpoint --checkpoint-layers 2 (estimated {fits / memory.GB:.2f} GB), or ")
+    # The run as advised: its own estimate and its measured peak agree with the advice's figure.
+    gc.collect()
+    mx.clear_cache()
+    advised = trainer(wider_model, tmp_path / "b", grad_checkpoint=True, checkpoint_layers=2)
+    assert advised.estimate.total == pytest.approx(fits, rel=0.05), (advised.estimate.describe(), fits / memory.GB)
+    advised.train()
+    measured = measured_peak(advised)
+    assert 0.75 <= fits / measured <= 1.25, (fits / memory.GB, measured / memory.GB)
+    # From a run that already recomputes its first layer, only the count changes.
+    partial = trainer(wider_model, tmp_path / "c", grad_checkpoint=True, checkpoint_layers=1, memory_estimate=False)
+    assert memory.advice(partial.config, plain, limit).startswith("lower memory with --checkpoint-layers 2 (")
+    # Below what recomputing every layer gives, the advice says so and goes on to the other settings.
+    everything = plain.total_recomputing(layers)
+    text = memory.advice(config, plain, everything / 2)
+    assert text.startswith(f"lower memory with --grad-checkpoint (estimated {everything / memory.GB:.2f} GB), or ")
+    assert "--batch-size" in text
+    # An estimate the run has outgrown (it fit the limit) gives no count, only the setting.
+    assert memory.advice(config, plain, plain.total * 2).startswith("lower memory with --grad-checkpoint, or ")
+
+
 def test_validation_takes_the_loss_a_chunk_at_a_time(llama_dir, tmp_path):
     peaks, losses = [], []
     for chunk in (0, 32):
