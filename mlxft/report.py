@@ -50,9 +50,12 @@ class Reporter:
         done = int(width * step / max(self.total_steps, 1))
         return "#" * done + "." * (width - done)
 
-    def train(self, step: int, epoch: int, learning_rate: float, skipped: int) -> dict:
-        """Report the loss and throughput since the previous report, then reset the window."""
-        elapsed = max(time.perf_counter() - self._window_start, 1e-9)
+    def train(self, step: int, epoch: int, learning_rate: float, skipped: int, ended_at: float | None = None) -> dict:
+        """Report the loss and throughput since the previous report, then reset the window.
+        ``ended_at``: where the window ends and the next begins (``time.perf_counter()``) when
+        that is earlier than now: the moment the next step began to be queued."""
+        end = ended_at or time.perf_counter()
+        elapsed = max(end - self._window_start, 1e-9)
         loss = self._loss_sum / max(self._tokens, 1)
         record = {
             "type": "train",
@@ -75,7 +78,7 @@ class Reporter:
         self._record(record)
         self.last_train_loss = loss
         self._loss_sum, self._tokens, self._real_tokens = 0.0, 0, 0
-        self._window_start = time.perf_counter()
+        self._window_start = end
         return record
 
     def eval(self, step: int, loss: float, tokens: int) -> dict:

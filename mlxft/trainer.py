@@ -53,6 +53,10 @@ class _QueuedStep:
     result: object  # mlxft.step.StepResult
     real_tokens: int
     learning_rate: mx.array  # the rate this step used (the optimizer's moves on with the next)
+    # When the host began queueing the step. A throughput window ends where the next step's
+    # queueing began, when it has: reading a step's results can come right after the next
+    # step's was read (the last step; MLX's CPU backend reports them done together).
+    queued_at: float = 0.0
 
 
 class TrainingStopped(Exception):
@@ -154,6 +158,7 @@ class Trainer:
         self.step_count = self.epoch = self.batch_index = 0
         self.window = None
         self.window_real_tokens = 0
+        self.window_queued_at: float | None = None  # when the open accumulation window's first micro-batch was queued
         self.pending: list[_QueuedStep] = []  # optimizer steps queued but not read yet
         self.in_flight = None  # the last queued micro-batch's output, waited for after the next is queued
         self.skipped_steps = self.nonfinite_streak = 0
@@ -311,6 +316,7 @@ class Trainer:
         """
         accum, i = self.config.train.grad_accum_steps, self.batch_index
         update = (i + 1) % accum == 0 or i == len(batches) - 1
+        self.window_queued_at = self.window_queued_at or time.perf_counter()
         batch = self.batch(self.train_set, batches[i])
         # Dropout noise is a function of the position alone, so a resumed run draws the same.
         mx.random.seed(int(np.random.SeedSequence([self.config.train.seed, self.epoch, i]).generate_state(1)[0]))
@@ -326,8 +332,8 @@ class Trainer:
         if update:
             self.step_count += 1
             done = _QueuedStep(self.step_count, self.epoch, result, self.window_real_tokens,
-                               self.optimizer.state["learning_rate"])
-            self.window_real_tokens = 0
+                               self.optimizer.state["learning_rate"], self.window_queued_at)
+            self.window_real_tokens, self.window_queued_at = 0, None
             (self.pending if self._may_run_ahead(self.step_count) else ready).append(done)
         self._finish(ready)
 
@@ -362,7 +368,8 @@ class Trainer:
                 raise TrainingStopped(
                     f"gradients were not finite for {streak} steps in a row (step {done.step}); saved {path}. "
                     "Lower --learning-rate, set --max-grad-norm, or check the data, then --resume latest", 1, path)
-            self._after_step(done)
+            later = steps[n + 1:] + self.pending
+            self._after_step(done, later[0].queued_at if later else self.window_queued_at)
 
     def _account(self, done: _QueuedStep) -> None:
         """Read one optimizer step's results: loss, tokens, whether it applied."""
@@ -405,10 +412,10 @@ class Trainer:
         for old, new in list(zip(before[1], after[1]))[:count]:
             self.reporter.info(f"Q: {old.prompt}\n  reference: {old.reference}\n  before: {old.generated!r}\n  after:  {new.generated!r}")
 
-    def _after_step(self, done: _QueuedStep) -> None:
+    def _after_step(self, done: _QueuedStep, next_queued_at: float | None = None) -> None:
         t, k = self.config.train, done.step
         if k % t.log_every == 0 or k == self.total_steps:
-            self.reporter.train(k, done.epoch + 1, float(done.learning_rate.item()), self.skipped_steps)
+            self.reporter.train(k, done.epoch + 1, float(done.learning_rate.item()), self.skipped_steps, next_queued_at)
         if self._evaluates_after(k):
             self._evaluate()
         if self._saves_after(k):

@@ -72,6 +72,16 @@ def test_cli_run_writes_every_file(llama_dir, chat_data, tmp_path):
     assert "trainable parameters" in proc.stdout and "saved" in proc.stdout
 
 
+def test_a_report_right_after_another_times_its_own_step(llama_dir, chat_data, tmp_path):
+    # Steps 5 and 6 are read together (the last step is not queued ahead): step 6's window must
+    # still span its computation, not the moment between the two reports (it read 2.8e7 tok/s).
+    Trainer(config(llama_dir, chat_data, tmp_path / "run", max_steps=6, log_every=5)).train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first, last = [r for r in records if r["type"] == "train"]
+    assert (first["step"], last["step"]) == (5, 6)
+    assert last["seconds"] > 0.2 * first["seconds"] / 5, (first["seconds"], last["seconds"])
+
+
 def test_mlx_lm_loads_the_adapters_with_the_same_logits(model_dir, chat_data, tmp_path):
     from mlx_lm import load
 
