@@ -112,11 +112,26 @@ def _swiglu_input_gradients(grad, x, sigmoid, silu_gate) -> tuple[mx.array, mx.a
     return grad * x * (sigmoid + silu_gate * (1 - sigmoid)), grad * silu_gate
 
 
+# Causal attention runs in blocks of about this many queries, each reading only the keys up to
+# its last query (see :func:`attention`).
+CAUSAL_BLOCK = 64
+_MAX_CAUSAL_BLOCKS = 8
+
+
 def attention(queries, keys, values, scale: float, mask) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` for ``[B, H, T, D]`` queries attending to
     ``[B, G, T, D]`` keys and values (grouped heads), written out with :func:`exp`.
-    ``mask``: None, ``"causal"``, or a boolean or additive array broadcastable to ``[B, H, T, T]``."""
+    ``mask``: None, ``"causal"``, or a boolean or additive array broadcastable to ``[B, H, T, T]``.
+
+    Causal attention skips the keys after each block of queries: with 4 blocks it computes and
+    keeps 5/8 of the ``[T, T]`` scores. SmolLM2-135M's attention (9 query and 3 key heads) over
+    4 rows of 256 tokens, forward and backward on this repository's CPU: 21 against 33 ms, and
+    53 against 113 MB at the peak; at 512 tokens (8 blocks) 95 against 158 ms, 127 against 433 MB.
+    Its whole training step at 4 x 224 tokens: 4.07 against 4.19 s, 1.82 against 1.90 GB."""
     batch, heads, length, dims = queries.shape
+    blocks = min(_MAX_CAUSAL_BLOCKS, round(length / CAUSAL_BLOCK))
+    if isinstance(mask, str) and blocks > 1:
+        return _causal_in_blocks(queries, keys, values, scale, blocks)
     groups = keys.shape[1]
     per_group = heads // groups
     # Query head h reads key head h // per_group: group the queries so one matmul serves each.
@@ -133,6 +148,25 @@ def attention(queries, keys, values, scale: float, mask) -> mx.array:
     weights = softmax(scores)
     out = weights.reshape(batch, groups, per_group * length, length) @ values
     return out.reshape(batch, heads, length, dims)
+
+
+def _causal_in_blocks(queries, keys, values, scale: float, blocks: int) -> mx.array:
+    """Causal :func:`attention` one block of queries at a time, over the keys up to the block's end."""
+    batch, heads, length, dims = queries.shape
+    groups = keys.shape[1]
+    per_group = heads // groups
+    grouped = (queries * scale).reshape(batch, groups, per_group, length, dims)
+    steps = mx.arange(length)
+    edges = [length * i // blocks for i in range(blocks + 1)]
+    outputs = []
+    for start, end in zip(edges[:-1], edges[1:]):
+        size = end - start
+        block = grouped[:, :, :, start:end].reshape(batch, groups, per_group * size, dims)
+        scores = (block @ keys[:, :, :end].swapaxes(-1, -2)).reshape(batch, groups, per_group, size, end)
+        scores = mx.where(steps[start:end, None] >= steps[None, :end], scores, -mx.inf)
+        weights = softmax(scores).reshape(batch, groups, per_group * size, end)
+        outputs.append((weights @ values[:, :, :end]).reshape(batch, groups, per_group, size, dims))
+    return mx.concatenate(outputs, axis=3).reshape(batch, heads, length, dims)
 
 
 def _attention_for(original):

@@ -104,6 +104,38 @@ def test_attention_and_its_gradients_equal_mlx_s(mask):
         assert close(a, b)
 
 
+@pytest.mark.parametrize("length", [96, 200, 224])
+def test_causal_attention_in_blocks_equals_mlx_s(length):
+    # 2, 3 and 4 blocks of queries, uneven where the length does not divide.
+    batch, heads, groups, dims = 2, 6, 2, 8
+    mx.random.seed(1)
+    q, k, v = (mx.random.normal((batch, n, length, dims)) for n in (heads, groups, groups))
+
+    def theirs(q, k, v):
+        return (mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal") * v.sum()).sum()
+
+    def ours(q, k, v):
+        return (fastmath.attention(q, k, v, 0.3, "causal") * v.sum()).sum()
+
+    assert round(length / fastmath.CAUSAL_BLOCK) > 1
+    assert close(ours(q, k, v), theirs(q, k, v))
+    for a, b in zip(mx.grad(ours, argnums=(0, 1, 2))(q, k, v), mx.grad(theirs, argnums=(0, 1, 2))(q, k, v)):
+        assert close(a, b)
+
+
+def test_causal_attention_in_blocks_keeps_less_for_the_backward_pass():
+    batch, heads, groups, length, dims = 2, 6, 2, 256, 16
+    q, k, v = (mx.random.normal((batch, n, length, dims)) for n in (heads, groups, groups))
+
+    def kept(mask):
+        grad = mx.compile(mx.grad(lambda q: (fastmath.attention(q, k, v, 0.3, mask) ** 2).sum()))
+        return max(memory._probe(grad, q) for _ in range(2))
+
+    # The same causal mask as an array takes the unblocked path, which keeps all [T, T] weights.
+    full = kept(mx.arange(length)[:, None] >= mx.arange(length)[None, :])
+    assert kept("causal") < 0.75 * full
+
+
 def test_attention_outside_training_shapes_is_mlx_lm_s(llama_dir):
     model, *_ = models.load(str(llama_dir), "float32")
     fastmath.enable(model)
