@@ -259,7 +259,7 @@ def run_mlxft(args, rows, val_rows):
               "train_set_loss": common_val_loss(trainer.model, rows, args.batch_size),
               "val_loss": common_val_loss(trainer.model, val_rows, args.batch_size), "wall_s": wall,
               "estimated_peak_memory_gb": trainer.estimate.total / 1e9,
-              "estimate_gb": {k: v / 1e9 for k, v in vars(trainer.estimate).items()},
+              "estimate_gb": {k: getattr(trainer.estimate, k) / 1e9 for k in ("weights", "training_state", "activations", "loss")},
               "graph_mb": os.environ.get("MLX_MAX_MB_PER_BUFFER")}  # the trainer may lower mlxft's own cap
     del trainer, model
     return result

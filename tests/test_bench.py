@@ -66,3 +66,18 @@ def test_repeated_pairs_alternate_and_report_the_median_pair():
     assert bench.summarize(pairs[:2])["ratios (mlxft / mlx-lm)"]["supervised_tokens_per_sec"] == 1.1
     single = bench.summarize(pairs[:1])
     assert set(single) == {"results", "ratios (mlxft / mlx-lm)"}
+
+
+def test_mlxfts_side_runs_and_reports_its_estimate(llama_dir, chat_data):
+    # The worker each pair runs for mlxft, on a tiny model and the test chats.
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(Path(bench.__file__)), "--model", str(llama_dir), "--data", str(chat_data),
+                           "--only", "mlxft", "--batch-size", "2", "--steps", "4", "--warmup", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    assert result["trainer"] == "mlxft" and result["tokens_per_sec"] > 0
+    assert set(result["estimate_gb"]) == {"weights", "training_state", "activations", "loss"}
+    assert sum(result["estimate_gb"].values()) == pytest.approx(result["estimated_peak_memory_gb"])
