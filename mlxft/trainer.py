@@ -223,7 +223,7 @@ class Trainer:
             info(f"estimated peak memory: {self.estimate.describe()}")
             if self.estimate.total > limit:
                 info(f"warning: the estimate exceeds the memory limit of {limit / memory.GB:.1f} GB; "
-                     + memory.advice(self.config))
+                     + memory.advice(self.config, self.estimate, limit))
 
     def estimate_memory(self) -> memory.Estimate:
         """Peak memory of this run's largest micro-batch (see :func:`mlxft.memory.estimate`)."""
@@ -261,7 +261,8 @@ class Trainer:
             if memory.is_out_of_memory(err):
                 raise TrainingStopped(
                     f"out of memory at step {self.step_count + 1} ({first_line(err)}); "
-                    + memory.advice(self.config) + "; then --resume latest to continue from the last checkpoint",
+                    + memory.advice(self.config, self.estimate, mx.get_memory_limit())
+                    + "; then --resume latest to continue from the last checkpoint",
                     1, None) from err
             if self.world.size == 1:
                 raise
@@ -397,7 +398,7 @@ class Trainer:
             self.warned_over_limit = True
             self.reporter.info(f"warning: peak memory {peak / memory.GB:.2f} GB passed the memory limit of "
                                f"{limit / memory.GB:.2f} GB, so MLX waits for memory and may swap; "
-                               + memory.advice(self.config))
+                               + memory.advice(self.config, self.estimate, limit))
 
     def _exact_match(self, when: str):
         """Exact-match of greedy answers on the first validation rows (the training rows if none)."""

@@ -174,6 +174,8 @@ def test_limits_are_applied_and_passing_one_says_what_to_lower(llama_dir, tmp_pa
     out = capsys.readouterr().out
     assert "estimate exceeds the memory limit" in out
     assert "passed the memory limit" in out and "--grad-checkpoint" in out and "--batch-size 1" in out
+    # Nothing fits 1 MB: the advice gives what recomputing every layer would come to, then the rest.
+    assert "lower memory with --grad-checkpoint (estimated " in out
 
 
 def test_out_of_memory_stops_with_advice(llama_dir, tmp_path, monkeypatch):
