@@ -57,6 +57,11 @@ class ModelConfig:
                "SmolLM2 chat on the CPU: 1.48 GB against 2.32 without recomputation and 1.08 with all of it. "
                "Llama and LFM2 families."
     )
+    fit_memory: bool = _opt(
+        False, "When the memory estimate passes the memory limit (--memory-limit, or MLX's), recompute as few "
+               "more layers as bring it under: the --grad-checkpoint --checkpoint-layers N that the warning would "
+               "advise, applied before the first step and saved in the run's config. Needs train.memory_estimate."
+    )
     loss_chunk: int = _opt(
         0, "Score supervised positions this many at a time, recomputing each chunk's logits in the backward "
            "pass: less memory for more time (with --grad-checkpoint, Llama-3.2-1B chat on CUDA: 0.34x "
@@ -371,6 +376,8 @@ def validate(config: RunConfig) -> None:
     need(not config.model.checkpoint_keep_mlp or config.model.grad_checkpoint, "model.checkpoint_keep_mlp",
          "applies to checkpointed runs; add --grad-checkpoint")
     need(config.model.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0 = no chunking)")
+    need(not config.model.fit_memory or config.train.memory_estimate, "model.fit_memory",
+         "fits the run by the memory estimate; drop --no-memory-estimate")
     need(d.length_bucket >= 1, "data.length_bucket", f"must be >= 1, got {d.length_bucket}")
     need(o.learning_rate > 0 and math.isfinite(o.learning_rate), "optim.learning_rate", "must be > 0")
     need(0 <= o.min_learning_rate <= o.learning_rate, "optim.min_learning_rate", "must be in [0, learning_rate]")

@@ -221,9 +221,27 @@ class Trainer:
                 return
             limit = mx.get_memory_limit()
             info(f"estimated peak memory: {self.estimate.describe()}")
+            if self.estimate.total > limit and self.config.model.fit_memory:
+                self._fit_memory(limit)
             if self.estimate.total > limit:
                 info(f"warning: the estimate exceeds the memory limit of {limit / memory.GB:.1f} GB; "
                      + memory.advice(self.config, self.estimate, limit))
+
+    def _fit_memory(self, limit: float) -> None:
+        """Recompute the fewest first layers that bring the estimate under ``limit`` (all when none
+        does), as the run's config then says (``--fit-memory``)."""
+        m = self.config.model
+        if m.checkpoint_keep_mlp or (m.grad_checkpoint and not m.checkpoint_layers):
+            return  # nothing more to recompute that the estimate can price
+        layers = len(self.estimate.recompute_savings)
+        first = self.estimate.layers_to_recompute(limit) or layers
+        count = 0 if first >= layers else first
+        models.checkpoint_layers(self.model, count)
+        m.grad_checkpoint, m.checkpoint_layers = True, count
+        self.estimate = self.estimate_memory()
+        self.reporter.info(f"fit memory: recomputing the first {first} of {layers} layers "
+                           f"(--grad-checkpoint --checkpoint-layers {count}); estimated peak memory: "
+                           f"{self.estimate.describe()}")
 
     def estimate_memory(self) -> memory.Estimate:
         """Peak memory of this run's largest micro-batch (see :func:`mlxft.memory.estimate`)."""

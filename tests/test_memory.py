@@ -12,9 +12,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+import yaml
 
 from conftest import LFM2_CONFIG, LLAMA_CONFIG, write_model
-from mlxft import RunConfig, _gpu, memory
+from mlxft import RunConfig, _gpu, memory, models
 from mlxft.data import Dataset, Example
 from mlxft.trainer import Trainer, TrainingStopped
 
@@ -45,6 +46,7 @@ def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
         "model": {"model": str(model_dir), "dtype": "float32", "grad_checkpoint": train.pop("grad_checkpoint", False),
                   "checkpoint_layers": train.pop("checkpoint_layers", 0),
                   "checkpoint_keep_mlp": train.pop("checkpoint_keep_mlp", False),
+                  "fit_memory": train.pop("fit_memory", False),
                   "loss_chunk": train.pop("loss_chunk", 0)},
         "data": {"data": "in-memory", "length_bucket": 32, "pack": train.pop("pack", False)},
         "adapter": {"rank": 8, "num_layers": train.pop("num_layers", -1)},
@@ -126,6 +128,28 @@ def test_advice_recomputes_as_few_layers_as_fit_the_limit(wider_model, tmp_path)
     assert "--batch-size" in text
     # An estimate the run has outgrown (it fit the limit) gives no count, only the setting.
     assert memory.advice(config, plain, plain.total * 2).startswith("lower memory with --grad-checkpoint, or ")
+
+
+def test_fit_memory_recomputes_the_layers_the_advice_names(wider_model, tmp_path, capsys):
+    plain = trainer(wider_model, tmp_path / "a").estimate
+    limit = (plain.total_recomputing(2) + plain.total_recomputing(1)) / 2
+    before = mx.get_memory_limit()
+    try:
+        run = trainer(wider_model, tmp_path / "b", memory_limit=limit / memory.GB, fit_memory=True)
+        assert [models.is_checkpointed(layer) for layer in run.model.layers] == [True, True, False, False]
+        assert run.config.model.grad_checkpoint and run.config.model.checkpoint_layers == 2
+        assert run.estimate.total <= limit
+        out = capsys.readouterr().out
+        assert "fit memory: recomputing the first 2 of 4 layers (--grad-checkpoint --checkpoint-layers 2)" in out
+        assert "estimate exceeds the memory limit" not in out
+        run.train()
+    finally:
+        mx.set_memory_limit(before)
+        mx.set_cache_limit(before)
+    assert 0.75 <= run.estimate.total / measured_peak(run) <= 1.25
+    # The saved config recomputes those layers, and so fits again as it stands.
+    saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())["model"]
+    assert (saved["grad_checkpoint"], saved["checkpoint_layers"], saved["fit_memory"]) == (True, 2, True)
 
 
 def test_validation_takes_the_loss_a_chunk_at_a_time(llama_dir, tmp_path):
@@ -275,3 +299,12 @@ def test_checkpointed_runs_lower_only_mlxfts_own_cap(monkeypatch, llama_dir, tmp
     trainer(llama_dir, tmp_path / "checkpointed", batch_size=2, longest=64, grad_checkpoint=True,
             memory_estimate=False)
     assert os.environ[_gpu.GRAPH_MB_VARIABLE] == (user or str(_gpu.CHECKPOINTED_GRAPH_MB))
+
+
+def test_fit_memory_needs_the_estimate():
+    from mlxft.config import validate
+    from mlxft.errors import UserError
+
+    with pytest.raises(UserError, match="model.fit_memory"):
+        validate(RunConfig.from_dict({"model": {"model": "m", "fit_memory": True}, "data": {"data": "d"},
+                                         "train": {"memory_estimate": False}}))
