@@ -242,19 +242,26 @@ def is_out_of_memory(err: BaseException) -> bool:
                                    "attempting to allocate", "malloc"))
 
 
-def _recompute_hint(config, estimate: Estimate | None, limit: float | None) -> str | None:
-    """The fewest recomputed layers that fit ``limit`` by ``estimate``, as flags, with the estimate
-    they give (every layer's when none fits); plain ``--grad-checkpoint`` without an estimate, or
-    with one that said the run fits (the run has shown it wrong)."""
+def layers_to_fit(config, estimate: Estimate | None, limit: float | None) -> int | None:
+    """How many first layers the run should recompute for ``estimate`` to fit ``limit``: the
+    fewest that do, or every layer when none does. None when there is nothing to price: no
+    estimate, one that fits already, every layer recomputed already, ``--checkpoint-keep-mlp``
+    (whose layers the estimate does not price), or no layer that would keep less."""
     model = config.model
-    if model.grad_checkpoint and not model.checkpoint_layers:
-        return None  # every layer is recomputed already
     if estimate is None or limit is None or estimate.total <= limit or model.checkpoint_keep_mlp \
-            or not any(estimate.recompute_savings):
+            or (model.grad_checkpoint and not model.checkpoint_layers) or not any(estimate.recompute_savings):
+        return None
+    return estimate.layers_to_recompute(limit) or len(estimate.recompute_savings)
+
+
+def _recompute_hint(config, estimate: Estimate | None, limit: float | None) -> str | None:
+    """:func:`layers_to_fit` as flags, with the estimate they give; plain ``--grad-checkpoint``
+    when it has no count (an estimate that said the run fits has been shown wrong by the run)."""
+    model = config.model
+    first = layers_to_fit(config, estimate, limit)
+    if first is None:
         return None if model.grad_checkpoint else "--grad-checkpoint"
-    layers = len(estimate.recompute_savings)
-    first = estimate.layers_to_recompute(limit) or layers
-    if first >= layers:  # 0 = every layer
+    if first >= len(estimate.recompute_savings):  # 0 = every layer
         flags = "--checkpoint-layers 0" if model.grad_checkpoint else "--grad-checkpoint"
     else:
         flags = ("" if model.grad_checkpoint else "--grad-checkpoint ") + f"--checkpoint-layers {first}"

@@ -230,12 +230,12 @@ class Trainer:
     def _fit_memory(self, limit: float) -> None:
         """Recompute the fewest first layers that bring the estimate under ``limit`` (all when none
         does), as the run's config then says (``--fit-memory``)."""
-        m = self.config.model
-        if m.checkpoint_keep_mlp or (m.grad_checkpoint and not m.checkpoint_layers):
-            return  # nothing more to recompute that the estimate can price
+        first = memory.layers_to_fit(self.config, self.estimate, limit)
+        if first is None:
+            return
         layers = len(self.estimate.recompute_savings)
-        first = self.estimate.layers_to_recompute(limit) or layers
         count = 0 if first >= layers else first
+        m = self.config.model
         models.checkpoint_layers(self.model, count)
         m.grad_checkpoint, m.checkpoint_layers = True, count
         self.estimate = self.estimate_memory()
