@@ -20,6 +20,7 @@ import functools
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlxft import packing
 from mlxft.models import hidden_states, output_head
@@ -97,22 +98,91 @@ def chunked_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoo
     return total / mx.maximum(ntokens, 1), ntokens
 
 
-def hidden_loss(model: nn.Module, hidden, targets, weights, label_smoothing: float = 0.0, chunk: int = 0):
-    """``(loss, ntokens)`` from the supervised final hidden states ``[N, D]`` (plain heads only),
-    in recomputed chunks when ``chunk`` is set and smaller than ``N``."""
+# Tokens per chunk of :func:`head_cross_entropy` when --loss-chunk is not set: about 2**23 logits
+# (SmolLM2-135M on the CPU, 4 x 224 tokens: 128 tokens peaked 0.09 GB lower than 320, as fast).
+_HEAD_CHUNK_LOGITS = 2**23
+
+
+def _head_input_gradient(head: nn.Module, grad_logits: mx.array) -> mx.array:
+    """The gradient of a frozen output head's input, given its logits' (no activation needed)."""
+    if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return mx.quantized_matmul(grad_logits, head["weight"], scales=head["scales"], biases=head.get("biases"),
+                                   transpose=False, group_size=head.group_size, bits=head.bits, mode=head.mode)
+    return grad_logits @ head["weight"]
+
+
+def frozen_head(model: nn.Module) -> nn.Module | None:
+    """The output head module (``lm_head`` or the tied embedding) when the architecture's split is
+    plain and nothing in the head trains: what :func:`head_cross_entropy` needs."""
+    if output_head(model) is None:
+        return None
+    head = model.lm_head if "lm_head" in model else model.model.embed_tokens
+    plain = type(head) in (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
+    return head if plain and not tree_flatten(head.trainable_parameters()) else None
+
+
+def head_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothing: float = 0.0, chunk: int = 0):
+    """:func:`cross_entropy` of a :func:`frozen_head`'s logits, whose gradient with respect to
+    ``hidden`` is computed in the forward pass, a chunk of ``chunk`` tokens at a time.
+
+    The cross-entropy's gradient is ``softmax - target`` times the per-token cotangent, so the
+    forward pass can already compute each token's ``(softmax - target) @ head`` and keep that
+    ``[N, D]`` array instead of the ``[N, vocab]`` logits: no logits outlive their chunk and
+    nothing is recomputed (the backward pass scales the kept rows). Only for training: the
+    forward pass does the backward pass's matmul as well."""
+    head = frozen_head(model)
+    project = head.as_linear if isinstance(head, (nn.Embedding, nn.QuantizedEmbedding)) else head
+    smoothing = float(label_smoothing)
+
+    @mx.custom_function
+    def scored(hidden, targets):
+        logits = project(hidden)
+        wide = logits.astype(mx.float32)
+        lse = mx.logsumexp(wide, axis=-1, keepdims=True)
+        picked = mx.take_along_axis(wide, targets[:, None], axis=-1)
+        ce = lse - picked if not smoothing else lse - (1 - smoothing) * picked - smoothing * wide.mean(-1, keepdims=True)
+        hit = mx.arange(logits.shape[-1]) == targets[:, None]
+        target = (1 - smoothing) * hit + smoothing / logits.shape[-1] if smoothing else hit
+        grad_logits = (mx.exp(wide - lse) - target).astype(logits.dtype)
+        return ce[:, 0], _head_input_gradient(head, grad_logits)
+
+    @scored.vjp
+    def scored_vjp(primals, cotangents, outputs):
+        hidden, targets = primals
+        return (cotangents[0][:, None] * outputs[1]).astype(hidden.dtype), mx.zeros_like(targets)
+
+    if not chunk:
+        chunk = max(64, _HEAD_CHUNK_LOGITS // head["weight"].shape[0] // 64 * 64)  # weight: [vocab, ...]
+    total = None
+    for start in range(0, hidden.shape[0], chunk):
+        ce = scored(hidden[start:start + chunk], targets[start:start + chunk])[0]
+        part = (ce * weights[start:start + chunk]).sum()
+        total = part if total is None else total + part
+    ntokens = weights.sum()
+    return total / mx.maximum(ntokens, 1), ntokens
+
+
+def hidden_loss(model: nn.Module, hidden, targets, weights, label_smoothing: float = 0.0, chunk: int = 0,
+                training: bool = False):
+    """``(loss, ntokens)`` from the supervised final hidden states ``[N, D]`` (plain heads only).
+    ``training`` with a :func:`frozen_head`: :func:`head_cross_entropy`; otherwise in recomputed
+    chunks when ``chunk`` is set and smaller than ``N``."""
+    if training and frozen_head(model) is not None:
+        return head_cross_entropy(model, hidden, targets, weights, label_smoothing, chunk)
     if chunk and hidden.shape[0] > chunk:
         return chunked_cross_entropy(model, hidden, targets, weights, label_smoothing, chunk)
     return cross_entropy(output_head(model)(hidden), targets, weights, label_smoothing)
 
 
 def loss_fn(model: nn.Module, inputs, positions, targets, weights, doc_positions=None, segments=None,
-            label_smoothing: float = 0.0, chunk: int = 0):
-    """``(loss, ntokens)`` of one batch: the loss the trainer differentiates and reports."""
+            label_smoothing: float = 0.0, chunk: int = 0, training: bool = False):
+    """``(loss, ntokens)`` of one batch: the loss the trainer differentiates (``training``, see
+    :func:`hidden_loss`) and reports."""
     if output_head(model) is None and doc_positions is None:  # the model's own logits, read at the positions
         logits = model(inputs)
         return cross_entropy(logits.reshape(-1, logits.shape[-1])[positions], targets, weights, label_smoothing)
     hidden = _hidden(model, inputs, positions, doc_positions, segments)
-    return hidden_loss(model, hidden, targets, weights, label_smoothing, chunk)
+    return hidden_loss(model, hidden, targets, weights, label_smoothing, chunk, training)
 
 
 def evaluation_loss(model: nn.Module, inputs, positions, targets, weights, doc_positions=None, segments=None,

@@ -227,7 +227,11 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
     hidden = mx.random.normal((max(supervised, 1), dim)).astype(dtype)
     # Compiled as in the step: the loss's backward is an elementwise expression that only a
     # compiled graph fuses (eagerly it allocates float32 [N, vocab] temporaries the step does not).
-    loss_bytes = _probe(mx.compile(mx.grad(loss_of_hidden)), hidden)
+    # Chunked, its peak depends on how many chunks the backend has queued ahead of the one it
+    # computes (MLX's CPU backend allocates an operation's output when it queues it, up to about
+    # ten operations ahead), so it can differ between two probes: the estimate takes the largest.
+    loss_grad = mx.compile(mx.grad(loss_of_hidden))
+    loss_bytes = max(_probe(loss_grad, hidden) for _ in range(3))
     # Every layer's input gradient flows through the embedding output of [batch, length, dim].
     embedding = batch * length * dim * dtype.size
     return Estimate(weights, state, activations + transient + embedding, loss_bytes,
@@ -279,7 +283,7 @@ def advice(config, estimate: Estimate | None = None, limit: float | None = None)
     hints.append(f"--batch-size {max(config.train.batch_size // 2, 1)} with --grad-accum-steps "
                  f"{config.train.grad_accum_steps * 2} (same effective batch)")
     hints.append(f"--max-seq-length {max(config.data.max_seq_length // 2, 1)}")
-    if not config.model.loss_chunk:
+    if not config.model.loss_chunk and config.adapter.finetune == "full":  # adapters' heads chunk anyway
         hints.append("--loss-chunk 1024")
     if config.train.clear_cache_above != 0:
         hints.append("--clear-cache-above 0")

@@ -171,7 +171,7 @@ class Trainer:
         with self.world.local_work():
             forced = self._restore(resume_from) if resume_from else []
         self.step = build_step(model, self.optimizer, partial(loss_fn, label_smoothing=config.optim.label_smoothing,
-                                                                  chunk=config.model.loss_chunk),
+                                                                  chunk=config.model.loss_chunk, training=True),
                                config.optim.max_grad_norm, reduce=self.world.all_sum if self.world.size > 1 else None)
         self.layout = self.step.layout
         if self.window is not None:  # restored per parameter; the step may hold it as one vector
@@ -258,7 +258,8 @@ class Trainer:
             if models.output_head(self.model) is None:  # whole logits: count the loss's vocabulary-sized tensors
                 logits = mx.zeros((hidden.shape[0], self.model.args.vocab_size), mx.float32) + hidden.sum()
                 return cross_entropy(logits, targets, weights, c.optim.label_smoothing)[0]
-            return hidden_loss(self.model, hidden, targets, weights, c.optim.label_smoothing, c.model.loss_chunk)[0]
+            return hidden_loss(self.model, hidden, targets, weights, c.optim.label_smoothing, c.model.loss_chunk,
+                               training=True)[0]
 
         estimate = memory.estimate(self.model, per_rank, length, targets.size, self.optimizer.state,
                                    c.train.grad_accum_steps > 1, c.data.pack, loss_of_hidden)

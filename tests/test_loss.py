@@ -11,7 +11,8 @@ from mlxft import lora, memory, models
 from mlxft.config import AdapterConfig
 from mlxft.data import Example, make_batch
 from mlxft.errors import UserError
-from mlxft.loss import cross_entropy, loss_fn, token_cross_entropy
+from mlxft import loss as loss_module
+from mlxft.loss import cross_entropy, hidden_loss, loss_fn, token_cross_entropy
 
 
 def brute_force(logits, targets, weights, smoothing):
@@ -220,3 +221,63 @@ def test_compiled_cross_entropy_gradient_keeps_no_float32_vocabulary_temporaries
     mx.eval(logits, targets)
     grad = mx.compile(mx.grad(lambda x: token_cross_entropy(x, targets).sum()))
     assert memory._probe(grad, logits) / (count * vocab * 4) <= bound
+
+
+@pytest.mark.parametrize("quantize", [0, 4])
+@pytest.mark.parametrize("smoothing,chunk", [(0.0, 0), (0.1, 16)])
+def test_head_gradient_in_the_forward_pass_equals_the_backward_passes(model_dir, quantize, smoothing, chunk):
+    """The training loss, whose frozen head's input gradient is computed in the forward pass a
+    chunk at a time, gives the loss and adapter gradients of the plain cross-entropy, for a
+    float and a quantized head."""
+    model, *_ = models.load(str(model_dir), "float32", quantize=quantize)
+    lora.apply(model, AdapterConfig(rank=4), seed=0)
+    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters()))
+    assert loss_module.frozen_head(model) is not None
+    batch = make_batch(_rows(4) + _rows(5), 6, 8).arrays()
+    assert batch[1].shape[0] > 2 * 16
+
+    def loss_and_grads(training):
+        grad_fn = nn.value_and_grad(model, lambda m, *a: loss_fn(m, *a, label_smoothing=smoothing, chunk=chunk,
+                                                                 training=training)[0])
+        loss, grads = grad_fn(model, *batch)
+        return loss.item(), dict(tree_flatten(grads))
+
+    plain, plain_grads = loss_and_grads(False)
+    fused, fused_grads = loss_and_grads(True)
+    assert fused == pytest.approx(plain, rel=1e-6)
+    assert fused_grads.keys() == plain_grads.keys()
+    for name, g in plain_grads.items():
+        # Scaled per token before or after the head's matmul: float32 rounding apart.
+        g = np.array(g)
+        np.testing.assert_allclose(np.array(fused_grads[name]), g, rtol=1e-4, atol=1e-4 * np.abs(g).max(), err_msg=name)
+
+
+def test_a_trained_head_keeps_the_backward_pass(model_dir):
+    """Full fine-tuning trains the head (tied embedding or lm_head): its gradient needs the
+    logits' gradient in the backward pass, so the training loss keeps the plain path."""
+    model, *_ = models.load(str(model_dir), "float32")
+    lora.apply(model, AdapterConfig(finetune="full"), seed=0)
+    assert loss_module.frozen_head(model) is None
+
+
+def test_head_gradient_in_the_forward_pass_keeps_no_logits(llama_dir):
+    """Compiled, the training loss's gradient holds a few chunks' logits at a time (those the
+    backend has queued ahead: about 1x the whole logits' bytes in 8 chunks here), where the
+    plain cross-entropy keeps all of them for the backward pass and adds their gradient (2x)."""
+    model, *_ = models.load(str(llama_dir), "float32")
+    lora.apply(model, AdapterConfig(rank=4), seed=0)
+    count = 512
+    hidden = mx.random.normal((count, model.args.hidden_size), key=mx.random.key(0))
+    targets = mx.random.randint(0, model.args.vocab_size, (count,), key=mx.random.key(1))
+    weights = mx.ones((count,))
+    mx.eval(hidden, targets)
+
+    def peak(training):
+        chunk = 64 if training else 0
+        grad = mx.compile(mx.grad(lambda h: hidden_loss(model, h, targets, weights, chunk=chunk, training=training)[0]))
+        return memory._probe(grad, hidden)
+
+    logits = count * model.args.vocab_size * 4
+    plain, fused = peak(False), peak(True)
+    assert plain > 1.8 * logits
+    assert fused < 0.6 * plain
