@@ -27,9 +27,9 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from mlxft import models
+from mlxft.lora import plain_lora
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125  # ln 2 split so k * _LN2_HI is exact for the k that occur
@@ -191,22 +191,8 @@ def _input_gradient(linear: nn.Module, cotangent: mx.array) -> mx.array:
     return cotangent @ linear["weight"]
 
 
-def _plain_lora(module: nn.Module) -> bool:
-    """Whether ``module`` is mlx-lm's LoRA layer (as mlxft computes it) over a frozen linear or
-    quantized linear, without an active dropout, training nothing but ``lora_a`` and ``lora_b``
-    (the fused function takes the rest as constants): what :func:`swiglu_lora` fuses."""
-    from mlx_lm.tuner.lora import LoRALinear
-
-    from mlxft.lora import computes_in_input_dtype
-
-    return (isinstance(module, LoRALinear) and computes_in_input_dtype(module)
-            and type(module.linear) in (nn.Linear, nn.QuantizedLinear)
-            and (module.dropout._p_1 == 1 or not module.dropout.training)
-            and {name for name, _ in tree_flatten(module.trainable_parameters())} <= {"lora_a", "lora_b"})
-
-
 def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
-    """``down(swiglu(gate, up))`` for a :func:`_plain_lora` ``down``, whose backward pass keeps
+    """``down(swiglu(gate, up))`` for a :func:`mlxft.lora.plain_lora` ``down``, whose backward pass keeps
     only ``gate`` and ``up``.
 
     Unfused, the adapter's ``lora_a`` gradient reads the SwiGLU's output, so the step keeps
@@ -242,7 +228,7 @@ def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
 def _swiglu_mlp(gate: str, up: str, down: str):
     def call(self, x):
         g, u = self[gate](x), self[up](x)
-        if _plain_lora(self[down]):
+        if plain_lora(self[down]):
             return swiglu_lora(self[down], g, u)
         return self[down](swiglu(g, u))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlxft.config import AdapterConfig
 from mlxft.errors import UserError
@@ -98,6 +99,11 @@ def apply(model: nn.Module, config: AdapterConfig, seed: int) -> list[str]:
 
 
 def _lora_in_input_dtype(self, x):
+    from mlxft import normed
+
+    source = normed.norm_input(x)
+    if source is not None and plain_lora(self):
+        return normed.lora_of_normed(self, x, source)
     # mlx-lm's LoRALinear multiplies a bf16/fp16 ``x`` by float32 adapters, which promotes
     # ``x`` to float32 and keeps that copy alive for the backward pass of every adapted
     # layer. Casting the (small) adapters to the input's dtype instead keeps activations in
@@ -110,6 +116,19 @@ def _lora_in_input_dtype(self, x):
 def computes_in_input_dtype(module: nn.Module) -> bool:
     """Whether :func:`compute_lora_in_input_dtype` gave ``module`` its arithmetic."""
     return type(module).__call__ is _lora_in_input_dtype
+
+
+def plain_lora(module: nn.Module) -> bool:
+    """Whether ``module`` is mlx-lm's LoRA layer (as mlxft computes it) over a frozen linear or
+    quantized linear, without an active dropout, training nothing but ``lora_a`` and ``lora_b``:
+    what the functions with their own backward pass (:func:`mlxft.fastmath.swiglu_lora`,
+    :func:`mlxft.normed.lora_of_normed`) can take, the rest being constants to them."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    return (isinstance(module, LoRALinear) and computes_in_input_dtype(module)
+            and type(module.linear) in (nn.Linear, nn.QuantizedLinear)
+            and (module.dropout._p_1 == 1 or not module.dropout.training)
+            and {name for name, _ in tree_flatten(module.trainable_parameters())} <= {"lora_a", "lora_b"})
 
 
 def compute_lora_in_input_dtype(model: nn.Module) -> None:

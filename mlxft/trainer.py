@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from mlxft import _blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, packing
+from mlxft import _blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, normed, packing
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError, first_line
 from mlxft.loss import cross_entropy, evaluation_loss, hidden_loss, loss_fn
@@ -136,6 +136,7 @@ class Trainer:
         if config.data.pack:
             packing.enable(model)
         fastmath.enable(model)
+        normed.enable(model)
         if config.model.grad_checkpoint:
             models.checkpoint_layers(model, config.model.checkpoint_layers, config.model.checkpoint_keep_mlp)
         self.world.heartbeat()

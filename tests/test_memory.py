@@ -185,7 +185,7 @@ def test_recomputed_layers_keep_their_inputs_and_nothing_they_recompute(wider_mo
     gate = keeping_mlp.mlp.gate_proj if "mlp" in keeping_mlp else keeping_mlp.feed_forward.w1
     expected = 2 * x.nbytes + 2 * batch * length * gate.linear.weight.shape[0] * 4
     assert expected <= memory._kept_for_backward(keeping_mlp, None, x) <= 1.05 * expected
-    assert memory._kept_for_backward(plain, None, x) > 2 * expected
+    assert memory._kept_for_backward(plain, None, x) > 1.5 * expected  # the attention's activations besides
 
 
 def test_limits_are_applied_and_passing_one_says_what_to_lower(llama_dir, tmp_path, capsys):
