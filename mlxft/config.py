@@ -64,10 +64,11 @@ class ModelConfig:
     )
     loss_chunk: int = _opt(
         0, "Score supervised positions this many at a time. With a frozen output head (LoRA, DoRA) the "
-           "head's input gradient is computed in the forward pass chunk by chunk, recomputing nothing, and "
-           "0 picks about 8M logits a chunk (128 tokens of a 49k vocabulary). With a trained head (full "
-           "fine-tuning) each chunk's logits are recomputed in the backward pass: less memory for more time "
-           "(SmolLM2-135M on the CPU: 0.86 against 0.98 GB with 128, 11% slower), and 0 = all at once."
+           "head's input gradient is computed in the forward pass chunk by chunk, recomputing nothing; 0 "
+           "picks about 8M logits a chunk on the CPU (128 tokens of a 49k vocabulary) and 64M on a GPU. "
+           "With a trained head (full fine-tuning) each chunk's logits are recomputed in the backward pass: "
+           "less memory for more time (SmolLM2-135M on the CPU: 0.86 against 0.98 GB with 128, 11% slower), "
+           "and 0 = all at once."
     )
 
 
