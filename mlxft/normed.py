@@ -6,7 +6,7 @@ adapter's ``lora_a`` gradient needs that normalised array, so autograd keeps it 
 backward pass: two ``[tokens, hidden]`` arrays a layer, besides the layer's input, which the
 norm's own backward pass keeps anyway. Here those projections recompute the norm from the
 layer's input in their backward pass (an elementwise pass, no matmul) and the normalised
-array is freed once the projections have read it.
+array is freed once the projections have read it. On the CPU only: see :func:`enable`.
 
 How a projection knows its input is a norm's output: inside a layer (see :func:`enable`),
 the layer's two norms record each output they return with the input they normalised; a

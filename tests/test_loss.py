@@ -242,14 +242,18 @@ def test_head_gradient_in_the_forward_pass_equals_the_backward_passes(model_dir,
         loss, grads = grad_fn(model, *batch)
         return loss.item(), dict(tree_flatten(grads))
 
-    plain, plain_grads = loss_and_grads(False)
-    fused, fused_grads = loss_and_grads(True)
-    assert fused == pytest.approx(plain, rel=1e-6)
-    assert fused_grads.keys() == plain_grads.keys()
-    for name, g in plain_grads.items():
-        # Scaled per token before or after the head's matmul: float32 rounding apart.
+    # Scaled per token before or after the head's matmul: float32 rounding apart.
+    assert_same_loss_and_gradients(loss_and_grads(True), loss_and_grads(False), spread=1e-4)
+
+
+def assert_same_loss_and_gradients(actual, expected, spread: float):
+    """``(loss, {name: gradient})`` pairs agree: the loss to 1e-6, each gradient to 1e-4 relative
+    or ``spread`` of its largest entry (summation order moves the small entries)."""
+    assert actual[0] == pytest.approx(expected[0], rel=1e-6)
+    assert actual[1].keys() == expected[1].keys()
+    for name, g in expected[1].items():
         g = np.array(g)
-        np.testing.assert_allclose(np.array(fused_grads[name]), g, rtol=1e-4, atol=1e-4 * np.abs(g).max(), err_msg=name)
+        np.testing.assert_allclose(np.array(actual[1][name]), g, rtol=1e-4, atol=spread * np.abs(g).max(), err_msg=name)
 
 
 def test_a_trained_head_keeps_the_backward_pass(model_dir):
@@ -275,7 +279,7 @@ def test_head_gradient_in_the_forward_pass_keeps_no_logits(llama_dir):
     def peak(training):
         chunk = 64 if training else 0
         grad = mx.compile(mx.grad(lambda h: hidden_loss(model, h, targets, weights, chunk=chunk, training=training)[0]))
-        return memory._probe(grad, hidden)
+        return min(memory._probe(grad, hidden) for _ in range(3))  # min: a busy machine lets MLX queue further ahead
 
     logits = count * model.args.vocab_size * 4
     plain, fused = peak(False), peak(True)
