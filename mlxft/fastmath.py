@@ -182,10 +182,11 @@ def _attention_for(original):
     return scaled_dot_product_attention
 
 
-def _input_gradient(linear: nn.Module, cotangent: mx.array) -> mx.array:
+def input_gradient(linear: nn.Module, cotangent: mx.array) -> mx.array:
     """The gradient of a frozen ``linear(x)`` with respect to ``x``: no activation needed.
-    (Through ``mx.vjp`` the compiled step also kept the forward product, a [tokens, out] array.)"""
-    if isinstance(linear, nn.QuantizedLinear):
+    (Through ``mx.vjp`` the compiled step also kept the forward product, a [tokens, out] array.)
+    ``linear`` may also be an embedding used as its own output head (``as_linear``)."""
+    if isinstance(linear, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         return mx.quantized_matmul(cotangent, linear["weight"], scales=linear["scales"], biases=linear.get("biases"),
                                    transpose=False, group_size=linear.group_size, bits=linear.bits, mode=linear.mode)
     return cotangent @ linear["weight"]
@@ -217,7 +218,7 @@ def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
         low_cotangent = scaled @ lora_b.astype(dtype).T  # [tokens, rank]
         grad_a = hidden.T @ low_cotangent
         grad_b = (hidden @ lora_a.astype(dtype)).T @ scaled
-        grad_hidden = _input_gradient(linear, cotangent) + \
+        grad_hidden = input_gradient(linear, cotangent) + \
             (low_cotangent @ lora_a.astype(dtype).T).reshape(up.shape)
         return (*_swiglu_input_gradients(grad_hidden, up, sigmoid, silu_gate),
                 grad_a.astype(lora_a.dtype), grad_b.astype(lora_b.dtype))

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxft import packing
+from mlxft.fastmath import input_gradient
 from mlxft.models import hidden_states, output_head
 
 
@@ -77,11 +78,18 @@ def _hidden(model: nn.Module, inputs, positions, doc_positions, segments) -> mx.
     return hidden.reshape(-1, hidden.shape[-1])[positions]
 
 
+def _head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The output head's module (``lm_head`` or the tied embedding) and the function projecting
+    hidden states to logits through it (a plain-head architecture's)."""
+    if "lm_head" in model:
+        return model.lm_head, model.lm_head
+    return model.model.embed_tokens, model.model.embed_tokens.as_linear
+
+
 def chunked_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothing: float, chunk: int):
     # The head's parameters enter each checkpoint as inputs, so a trained head (full
     # fine-tuning, tied embeddings) still receives its gradient.
-    module = model.lm_head if "lm_head" in model else model.model.embed_tokens
-    project = module if "lm_head" in model else module.as_linear
+    module, project = _head(model)
 
     def chunk_loss(start):
         # Targets and weights are closed over: only the head and the hidden states are differentiated.
@@ -107,20 +115,12 @@ def _head_chunk_logits() -> int:
     return 2**23 if mx.default_device() == mx.cpu else 2**26
 
 
-def _head_input_gradient(head: nn.Module, grad_logits: mx.array) -> mx.array:
-    """The gradient of a frozen output head's input, given its logits' (no activation needed)."""
-    if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        return mx.quantized_matmul(grad_logits, head["weight"], scales=head["scales"], biases=head.get("biases"),
-                                   transpose=False, group_size=head.group_size, bits=head.bits, mode=head.mode)
-    return grad_logits @ head["weight"]
-
-
 def frozen_head(model: nn.Module) -> nn.Module | None:
     """The output head module (``lm_head`` or the tied embedding) when the architecture's split is
     plain and nothing in the head trains: what :func:`head_cross_entropy` needs."""
     if output_head(model) is None:
         return None
-    head = model.lm_head if "lm_head" in model else model.model.embed_tokens
+    head = _head(model)[0]
     plain = type(head) in (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
     return head if plain and not tree_flatten(head.trainable_parameters()) else None
 
@@ -134,8 +134,7 @@ def head_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothi
     ``[N, D]`` array instead of the ``[N, vocab]`` logits: no logits outlive their chunk and
     nothing is recomputed (the backward pass scales the kept rows). Only for training: the
     forward pass does the backward pass's matmul as well."""
-    head = frozen_head(model)
-    project = head.as_linear if isinstance(head, (nn.Embedding, nn.QuantizedEmbedding)) else head
+    head, project = _head(model)
     smoothing = float(label_smoothing)
 
     @mx.custom_function
@@ -148,7 +147,7 @@ def head_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothi
         hit = mx.arange(logits.shape[-1]) == targets[:, None]
         target = (1 - smoothing) * hit + smoothing / logits.shape[-1] if smoothing else hit
         grad_logits = (mx.exp(wide - lse) - target).astype(logits.dtype)
-        return ce[:, 0], _head_input_gradient(head, grad_logits)
+        return ce[:, 0], input_gradient(head, grad_logits)
 
     @scored.vjp
     def scored_vjp(primals, cotangents, outputs):
