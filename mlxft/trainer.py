@@ -104,6 +104,8 @@ class Trainer:
         self.memory_settings = memory.configure(t.memory_limit, t.cache_limit)
         self.estimate: memory.Estimate | None = None
         self.warned_over_limit = False
+        self.memory_limit = mx.get_memory_limit()  # the run's own; pacing lowers MLX's below it
+        self.pacing: int | None = None  # the paced limit once set; 0 = not pacing
         if t.batch_size % self.world.size:
             raise UserError(f"config field train.batch_size: {t.batch_size} rows cannot be split evenly over "
                             f"{self.world.size} ranks; use a multiple of {self.world.size}")
@@ -265,6 +267,8 @@ class Trainer:
         estimate = memory.estimate(self.model, per_rank, length, targets.size, self.optimizer.state,
                                    c.train.grad_accum_steps > 1, c.data.pack, loss_of_hidden)
         mx.reset_peak_memory()
+        if c.train.pace_memory and not c.train.memory_limit and memory.can_pace(estimate):
+            estimate = estimate.pace()
         return estimate
 
     def batch(self, dataset: data.Dataset, indices) -> data.Batch:
@@ -281,16 +285,22 @@ class Trainer:
             if memory.is_out_of_memory(err):
                 raise TrainingStopped(
                     f"out of memory at step {self.step_count + 1} ({first_line(err)}); "
-                    + memory.advice(self.config, self.estimate, mx.get_memory_limit())
+                    + memory.advice(self.config, self.estimate, self.memory_limit)
                     + "; then --resume latest to continue from the last checkpoint",
                     1, None) from err
             if self.world.size == 1:
                 raise
             raise distributed.PeerLost(f"rank {self.world.rank}: {first_line(err)}; another rank failed "
                                        "or became unreachable (see its output)") from err
+        finally:  # MLX's limit is the process's: whatever runs next gets it back
+            if self.pacing:
+                mx.set_memory_limit(self.memory_limit)
+            self.pacing = None
 
     def _train(self) -> TrainResult:
         t = self.config.train
+        if self.pacing is None:
+            self._pace_memory(first=True)
         if self.valid_set is not None and self.step_count == 0 and self.batch_index == 0:
             self._evaluate()  # the baseline the validation curve starts from
         before = self._exact_match("before training") if t.exact_match_rows else None
@@ -402,6 +412,7 @@ class Trainer:
             real_tokens = int(self.world.all_sum(mx.array(real_tokens)).item())
         self.reporter.step(done.step, result.loss_sum.item(), int(result.tokens.item()), real_tokens)
         memory.release_cache(self.config.train.clear_cache_above)
+        self._pace_memory()
         self._check_memory_limit()
         if not applied:
             self.skipped_steps += 1
@@ -411,8 +422,33 @@ class Trainer:
         else:
             self.nonfinite_streak = 0
 
+    def _pace_memory(self, first: bool = False) -> None:
+        """Pace evaluation from the first step (``first``: see :func:`mlxft.memory.pacing_limit`),
+        and raise the limit whenever the run has needed more than it: a step that cannot fit
+        waits on every operation, so it passes the limit by more than the one allocation a
+        paced step may."""
+        if not (self.pacing if not first else self.estimate is not None and self.estimate.paced):
+            return
+        peak = mx.get_peak_memory()
+        if first:
+            limit = memory.pacing_limit(self.estimate)
+        elif peak > 1.05 * self.pacing:
+            limit = int(1.05 * peak)
+        else:
+            return
+        if limit >= self.memory_limit:
+            if self.pacing:
+                mx.set_memory_limit(self.memory_limit)
+            self.pacing = 0
+            return
+        self.pacing = limit
+        mx.set_memory_limit(limit)
+        self.reporter.info(f"memory: pacing evaluation at {limit / memory.GB:.2f} GB"
+                           + ("" if first else f" (the run has needed {peak / memory.GB:.2f} GB)")
+                           + "; --no-pace-memory turns it off")
+
     def _check_memory_limit(self) -> None:
-        peak, limit = mx.get_peak_memory(), mx.get_memory_limit()
+        peak, limit = mx.get_peak_memory(), self.memory_limit
         # Under a limit MLX waits for queued work once past it, so a peak a little over is expected.
         if peak > 1.1 * limit and not self.warned_over_limit:
             self.warned_over_limit = True

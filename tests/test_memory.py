@@ -101,15 +101,14 @@ def test_layers_before_the_trained_ones_keep_nothing(wider_model, tmp_path):
     assert 0.75 <= last_two.estimate.total / measured <= 1.25, (last_two.estimate.describe(), measured / memory.GB)
 
 
-# The loss's peak moves by about a chunk's logits from probe to probe (the CPU backend queues
-# ahead), which must stay well below one layer's recomputation saving (about 21 MB here) where a
-# limit lies between two layer counts: chunks of 8 tokens (4.9 MB of logits), not the 64 (39 MB)
-# this vocabulary would get.
-FINE_CHUNKS = 8
+# Where a limit lies between two layer counts, the loss's peak must not move from probe to probe
+# by as much as one layer's recomputation saving (about 21 MB here). In chunks it moves with how
+# far the CPU backend has queued the next chunks; scored in one chunk and unpaced it does not.
+STEADY_LOSS = {"loss_chunk": 1 << 16, "pace_memory": False}
 
 
 def test_advice_recomputes_as_few_layers_as_fit_the_limit(wider_model, tmp_path):
-    plain = trainer(wider_model, tmp_path / "a", loss_chunk=FINE_CHUNKS).estimate
+    plain = trainer(wider_model, tmp_path / "a", **STEADY_LOSS).estimate
     layers = len(plain.recompute_savings)
     assert layers == 4 and all(saving > 0 for saving in plain.recompute_savings)
     # A limit that recomputing the first two layers meets and recomputing one does not.
@@ -122,14 +121,14 @@ def test_advice_recomputes_as_few_layers_as_fit_the_limit(wider_model, tmp_path)
     # The run as advised: its own estimate and its measured peak agree with the advice's figure.
     gc.collect()
     mx.clear_cache()
-    advised = trainer(wider_model, tmp_path / "b", grad_checkpoint=True, checkpoint_layers=2, loss_chunk=FINE_CHUNKS)
+    advised = trainer(wider_model, tmp_path / "b", grad_checkpoint=True, checkpoint_layers=2, **STEADY_LOSS)
     assert advised.estimate.total == pytest.approx(fits, rel=0.05), (advised.estimate.describe(), fits / memory.GB)
     advised.train()
     measured = measured_peak(advised)
     assert 0.75 <= fits / measured <= 1.25, (fits / memory.GB, measured / memory.GB)
     # From a run that already recomputes its first layer, only the count changes.
     partial = trainer(wider_model, tmp_path / "c", grad_checkpoint=True, checkpoint_layers=1, memory_estimate=False,
-                      loss_chunk=FINE_CHUNKS)
+                      **STEADY_LOSS)
     assert memory.advice(partial.config, plain, limit).startswith("lower memory with --checkpoint-layers 2 (")
     # Below what recomputing every layer gives, the advice says so and goes on to the other settings.
     everything = plain.total_recomputing(layers)
@@ -141,12 +140,12 @@ def test_advice_recomputes_as_few_layers_as_fit_the_limit(wider_model, tmp_path)
 
 
 def test_fit_memory_recomputes_the_layers_the_advice_names(wider_model, tmp_path, capsys):
-    plain = trainer(wider_model, tmp_path / "a", loss_chunk=FINE_CHUNKS).estimate
+    plain = trainer(wider_model, tmp_path / "a", **STEADY_LOSS).estimate
     limit = (plain.total_recomputing(2) + plain.total_recomputing(1)) / 2
     before = mx.get_memory_limit()
     try:
         run = trainer(wider_model, tmp_path / "b", memory_limit=limit / memory.GB, fit_memory=True,
-                      loss_chunk=FINE_CHUNKS)
+                      **STEADY_LOSS)
         assert [models.is_checkpointed(layer) for layer in run.model.layers] == [True, True, False, False]
         assert run.config.model.grad_checkpoint and run.config.model.checkpoint_layers == 2
         assert run.estimate.total <= limit
@@ -161,6 +160,47 @@ def test_fit_memory_recomputes_the_layers_the_advice_names(wider_model, tmp_path
     # The saved config recomputes those layers, and so fits again as it stands.
     saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())["model"]
     assert (saved["grad_checkpoint"], saved["checkpoint_layers"], saved["fit_memory"]) == (True, 2, True)
+
+
+def train_losses(run: Trainer) -> list[float]:
+    records = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["type"] == "train"]
+
+
+@pytest.mark.skipif(memory.device_kind() == "Metal", reason="pacing is off on Metal")
+def test_pacing_takes_the_queued_loss_off_the_peak(wider_model, tmp_path, capsys):
+    # About 1,200 supervised tokens over a 32k vocabulary in chunks of 256: unpaced, the CPU
+    # backend allocates the chunks' logits as it queues them, well ahead of the one it computes.
+    peaks, losses = [], []
+    for pace in (False, True):
+        gc.collect()
+        mx.clear_cache()
+        before, limit = mx.get_active_memory(), mx.get_memory_limit()
+        run = trainer(wider_model, tmp_path / str(pace), pace_memory=pace)
+        run.train()
+        assert mx.get_memory_limit() == limit  # the process gets its limit back
+        peaks.append(measured_peak(run) - before)
+        losses.append(train_losses(run))
+    queued = run.estimate.loss_queued_ahead
+    assert queued > 0.1 * peaks[0], (queued, peaks)
+    assert peaks[1] < peaks[0] - 0.5 * queued, (queued, peaks)
+    assert losses[1] == losses[0]
+    assert "memory: pacing evaluation at" in capsys.readouterr().out
+    # The estimate the run printed is the unpaced peak's; paced, the run stays within it.
+    assert peaks[1] <= 1.05 * run.estimate.total
+
+
+@pytest.mark.skipif(memory.device_kind() == "Metal", reason="pacing is off on Metal")
+def test_pacing_rises_to_what_the_run_needs(wider_model, tmp_path, capsys):
+    import dataclasses
+
+    run = trainer(wider_model, tmp_path, pace_memory=True)
+    # An estimate far under the run's need: the first paced limit cannot fit a step.
+    run.estimate = dataclasses.replace(run.estimate, activations=0, weights=0, training_state=0)
+    run.train()
+    out = capsys.readouterr().out
+    assert "(the run has needed" in out, out
+    assert len(train_losses(run)) == 3
 
 
 def test_validation_takes_the_loss_a_chunk_at_a_time(llama_dir, tmp_path):
