@@ -237,7 +237,7 @@ def run_mlxft(args, rows, val_rows):
             "train": {"output_dir": tmp, "batch_size": args.batch_size, "max_steps": args.steps,
                       "log_every": args.log_every or args.warmup, "backend": args.backend, "seed": args.seed,
                       "clear_cache_above": args.clear_cache_above, "memory_limit": args.memory_limit,
-                      "cache_limit": args.cache_limit},
+                      "cache_limit": args.cache_limit, "pace_memory": args.pace_memory},
         })
         train_set = Dataset(Path("bench-train"), rows, "completion" if args.workload == "chat" else "text")
         trainer = Trainer(config, model, tokenizer=None, datasets=(train_set, None))
@@ -318,6 +318,8 @@ def main() -> None:
     p.add_argument("--loss-chunk", type=int, default=0, help="mlxft scores supervised positions in recomputed chunks")
     p.add_argument("--clear-cache-above", type=float, default=-1.0, help="mlxft's train.clear_cache_above (GB)")
     p.add_argument("--memory-limit", type=float, default=0.0, help="mlxft's train.memory_limit (GB; MLX waits for queued work above it)")
+    p.add_argument("--pace-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="mlxft's train.pace_memory (see mlxft.memory.pacing_limit)")
     p.add_argument("--cache-limit", type=float, default=-1.0, help="mlxft's train.cache_limit (GB)")
     p.add_argument("--log-every", type=int, default=0, help="mlxft's log interval (default: --warmup; must divide it)")
     p.add_argument("--only", choices=("both", "mlxft", "mlx-lm"), default="both")
