@@ -167,8 +167,14 @@ def train_losses(run: Trainer) -> list[float]:
     return [r["loss"] for r in records if r["type"] == "train"]
 
 
+@pytest.fixture(scope="module")
+def wider_llama(tmp_path_factory) -> Path:
+    """Pacing does not depend on the family: one is enough."""
+    return write_model(tmp_path_factory.mktemp("llama"), {**LLAMA_CONFIG, **SIZES})
+
+
 @pytest.mark.skipif(memory.device_kind() == "Metal", reason="pacing is off on Metal")
-def test_pacing_takes_the_queued_loss_off_the_peak(wider_model, tmp_path, capsys):
+def test_pacing_takes_the_queued_loss_off_the_peak(wider_llama, tmp_path, capsys):
     # About 1,200 supervised tokens over a 32k vocabulary in chunks of 256: unpaced, the CPU
     # backend allocates the chunks' logits as it queues them, well ahead of the one it computes.
     peaks, losses = [], []
@@ -176,7 +182,7 @@ def test_pacing_takes_the_queued_loss_off_the_peak(wider_model, tmp_path, capsys
         gc.collect()
         mx.clear_cache()
         before, limit = mx.get_active_memory(), mx.get_memory_limit()
-        run = trainer(wider_model, tmp_path / str(pace), pace_memory=pace)
+        run = trainer(wider_llama, tmp_path / str(pace), pace_memory=pace)
         run.train()
         assert mx.get_memory_limit() == limit  # the process gets its limit back
         peaks.append(measured_peak(run) - before)
@@ -191,10 +197,10 @@ def test_pacing_takes_the_queued_loss_off_the_peak(wider_model, tmp_path, capsys
 
 
 @pytest.mark.skipif(memory.device_kind() == "Metal", reason="pacing is off on Metal")
-def test_pacing_rises_to_what_the_run_needs(wider_model, tmp_path, capsys):
+def test_pacing_rises_to_what_the_run_needs(wider_llama, tmp_path, capsys):
     import dataclasses
 
-    run = trainer(wider_model, tmp_path, pace_memory=True)
+    run = trainer(wider_llama, tmp_path, pace_memory=True)
     # An estimate far under the run's need: the first paced limit cannot fit a step.
     run.estimate = dataclasses.replace(run.estimate, activations=0, weights=0, training_state=0)
     run.train()
