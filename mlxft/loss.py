@@ -5,11 +5,13 @@ architectures with a plain output head only those positions are projected to the
 vocabulary, so the full ``[B, T, vocab]`` logits never exist; for the rest the logits are
 computed as the model defines them and the same positions are read out of them. With
 ``chunk`` the supervised positions are scored a chunk at a time, each chunk's logits
-recomputed in the backward pass. At MLX's default evaluation width several chunks' logits
-are alive together; at the width mlxft sets on CUDA and the CPU (one branch at a time, see
-:func:`mlxft._gpu.narrow_evaluation`) they come one after another. Chunking saved 1 GB for
-a 128k vocabulary on CUDA (at the default width) and 12% of a checkpointed step's peak on
-the CPU (at width 1; README). The cross-entropy's own backward (:func:`token_cross_entropy`)
+recomputed in the backward pass (with a frozen head, :func:`head_cross_entropy` instead). At
+MLX's default evaluation width several chunks' logits are alive together; at the width mlxft
+sets on CUDA and the CPU (one branch at a time, see :func:`mlxft._gpu.narrow_evaluation`)
+they are computed one after another, but the backend still allocates the chunks it has
+queued, which on the CPU is most of them unless evaluation is paced
+(:func:`mlxft.memory.pacing_limit`). Chunking saved 1 GB for a 128k vocabulary on CUDA (at
+the default width) and 12% of a checkpointed step's peak on the CPU (at width 1; README). The cross-entropy's own backward (:func:`token_cross_entropy`)
 returns the logits' gradient in the logits' dtype from one fused expression, so no float32
 ``[N, vocab]`` tensor outlives the forward pass.
 """

@@ -247,8 +247,9 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
     # Compiled as in the step: the loss's backward is an elementwise expression that only a
     # compiled graph fuses (eagerly it allocates float32 [N, vocab] temporaries the step does not).
     # Chunked, its peak depends on how many chunks the backend has queued ahead of the one it
-    # computes (MLX's CPU backend allocates an operation's output when it queues it, up to about
-    # ten operations ahead), so it can differ between two probes: the estimate takes the largest.
+    # computes (MLX's CPU backend allocates an operation's output when it queues it, most of a
+    # chunked loss at once), so it can differ between two probes: the estimate takes the
+    # largest. Probed paced as well, the difference is what pacing takes off.
     loss_grad = mx.compile(mx.grad(loss_of_hidden))
     loss_bytes = max(_probe(loss_grad, hidden) for _ in range(3))
     queued_ahead = max(loss_bytes - _paced_probe(loss_grad, hidden), 0)

@@ -427,7 +427,8 @@ class Trainer:
         and raise the limit whenever the run has needed more than it: a step that cannot fit
         waits on every operation, so it passes the limit by more than the one allocation a
         paced step may."""
-        if not (self.pacing if not first else self.estimate is not None and self.estimate.paced):
+        pacing = (self.estimate is not None and self.estimate.paced) if first else self.pacing
+        if not pacing:
             return
         peak = mx.get_peak_memory()
         if first:
