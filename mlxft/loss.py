@@ -11,9 +11,10 @@ sets on CUDA and the CPU (one branch at a time, see :func:`mlxft._gpu.narrow_eva
 they are computed one after another, but the backend still allocates the chunks it has
 queued, which on the CPU is most of them unless evaluation is paced
 (:func:`mlxft.memory.pacing_limit`). Chunking saved 1 GB for a 128k vocabulary on CUDA (at
-the default width) and 12% of a checkpointed step's peak on the CPU (at width 1; README). The cross-entropy's own backward (:func:`token_cross_entropy`)
-returns the logits' gradient in the logits' dtype from one fused expression, so no float32
-``[N, vocab]`` tensor outlives the forward pass.
+the default width) and 12% of a checkpointed step's peak on the CPU (at width 1; README).
+The cross-entropy's own backward (:func:`token_cross_entropy`) returns the logits' gradient in
+the logits' dtype from one fused expression, so no float32 ``[N, vocab]`` tensor outlives the
+forward pass.
 """
 
 from __future__ import annotations
@@ -29,15 +30,18 @@ from mlxft.fastmath import input_gradient
 from mlxft.models import hidden_states, output_head
 
 
-def _exponentials(wide: mx.array) -> tuple[mx.array, mx.array] | None:
-    """On the CPU, ``(logsumexp(wide, -1), softmax(wide))`` over the last axis from one pass of
-    exponentials; None elsewhere. MLX's CPU logsumexp runs a scalar exp, while the exp of a
-    compiled elementwise expression is built for the processor (:mod:`mlxft._jit`): over
-    1216 x 32000 float32 logits on this repository's Xeon, logsumexp took 460 ms, the compiled
-    exp 143. The exponentials cost a float32 array of the logits' shape, which the softmax needs
-    anyway. A GPU's logsumexp is one fused kernel that reads the logits once: kept there."""
+def _log_partition_and_softmax(wide: mx.array) -> tuple[mx.array, mx.array]:
+    """``logsumexp(wide, -1)`` (keeping the axis) and ``softmax(wide)`` over the last axis.
+
+    On the CPU both come from one pass of exponentials: MLX's CPU logsumexp runs a scalar exp,
+    while the exp of a compiled elementwise expression is built for the processor
+    (:mod:`mlxft._jit`): over 1216 x 32000 float32 logits on this repository's Xeon, logsumexp
+    took 460 ms, the compiled exp 143. The exponentials cost a float32 array of the logits'
+    shape, which the softmax needs anyway. A GPU's logsumexp is one fused kernel that reads the
+    logits once: kept there."""
     if mx.default_device() != mx.cpu:
-        return None
+        lse = mx.logsumexp(wide, axis=-1, keepdims=True)
+        return lse, mx.exp(wide - lse)
     top = wide.max(axis=-1, keepdims=True)
     exps = mx.exp(wide - top)
     total = exps.sum(axis=-1, keepdims=True)
@@ -158,9 +162,7 @@ def head_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothi
     def scored(hidden, targets):
         logits = project(hidden)
         wide = logits.astype(mx.float32)
-        parts = _exponentials(wide)
-        lse = parts[0] if parts is not None else mx.logsumexp(wide, axis=-1, keepdims=True)
-        probs = parts[1] if parts is not None else mx.exp(wide - lse)
+        lse, probs = _log_partition_and_softmax(wide)
         picked = mx.take_along_axis(wide, targets[:, None], axis=-1)
         ce = lse - picked if not smoothing else lse - (1 - smoothing) * picked - smoothing * wide.mean(-1, keepdims=True)
         hit = mx.arange(logits.shape[-1]) == targets[:, None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -56,10 +57,15 @@ def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
     return Trainer(config, datasets=(Dataset(Path("rows"), rows, "completion"), None))
 
 
+def train_records(run: Trainer) -> list[dict]:
+    """The training-step records a finished run wrote to metrics.jsonl."""
+    records = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["type"] == "train"]
+
+
 def measured_peak(run: Trainer) -> float:
     """The largest per-step peak a finished run reported, in bytes."""
-    records = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
-    return max(r["peak_memory_gb"] for r in records if r["type"] == "train") * memory.GB
+    return max(r["peak_memory_gb"] for r in train_records(run)) * memory.GB
 
 
 # Checkpointed layers' estimates are checked by a partly checkpointed run below. Each family
@@ -162,11 +168,6 @@ def test_fit_memory_recomputes_the_layers_the_advice_names(wider_model, tmp_path
     assert (saved["grad_checkpoint"], saved["checkpoint_layers"], saved["fit_memory"]) == (True, 2, True)
 
 
-def train_losses(run: Trainer) -> list[float]:
-    records = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if r["type"] == "train"]
-
-
 @pytest.fixture(scope="module")
 def wider_llama(tmp_path_factory) -> Path:
     """Pacing does not depend on the family: one is enough."""
@@ -186,27 +187,25 @@ def test_pacing_takes_the_queued_loss_off_the_peak(wider_llama, tmp_path, capsys
         run.train()
         assert mx.get_memory_limit() == limit  # the process gets its limit back
         peaks.append(measured_peak(run) - before)
-        losses.append(train_losses(run))
+        losses.append([r["loss"] for r in train_records(run)])
     queued = run.estimate.loss_queued_ahead
     assert queued > 0.1 * peaks[0], (queued, peaks)
     assert peaks[1] < peaks[0] - 0.5 * queued, (queued, peaks)
     assert losses[1] == losses[0]
     assert "memory: pacing evaluation at" in capsys.readouterr().out
-    # The estimate the run printed is the unpaced peak's; paced, the run stays within it.
+    # The paced run's estimate (Estimate.pace) covers its peak.
     assert peaks[1] <= 1.05 * run.estimate.total
 
 
 @pytest.mark.skipif(memory.device_kind() == "Metal", reason="pacing is off on Metal")
 def test_pacing_rises_to_what_the_run_needs(wider_llama, tmp_path, capsys):
-    import dataclasses
-
     run = trainer(wider_llama, tmp_path, pace_memory=True)
     # An estimate far under the run's need: the first paced limit cannot fit a step.
     run.estimate = dataclasses.replace(run.estimate, activations=0, weights=0, training_state=0)
     run.train()
     out = capsys.readouterr().out
     assert "(the run has needed" in out, out
-    assert len(train_losses(run)) == 3
+    assert len(train_records(run)) == 3
 
 
 def test_validation_takes_the_loss_a_chunk_at_a_time(llama_dir, tmp_path):
