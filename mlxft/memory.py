@@ -202,10 +202,11 @@ def _kept_for_backward(layer: nn.Module, layout, x: mx.array) -> int:
 
 
 def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimizer_state,
-             window: bool, packed: bool, loss_of_hidden) -> Estimate:
+             window: bool, packed: bool, loss_of_hidden, may_pace: bool = True) -> Estimate:
     """The peak memory of training ``model`` on micro-batches of ``batch`` x ``length`` tokens with
     ``supervised`` supervised positions. ``loss_of_hidden`` maps the ``[supervised, D]`` final
-    hidden states to the scalar objective (output head included)."""
+    hidden states to the scalar objective (output head included). ``may_pace``: whether the run
+    could be paced; if not, the loss is not probed paced and ``loss_queued_ahead`` is 0."""
     trainable = _nbytes(model.trainable_parameters())
     # Half-precision trainables' gradients are summed in float32 (mlxft.step).
     working = sum(v.size * (4 if v.dtype in (mx.float16, mx.bfloat16) else v.itemsize)
@@ -252,7 +253,7 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
     # largest. Probed paced as well, the difference is what pacing takes off.
     loss_grad = mx.compile(mx.grad(loss_of_hidden))
     loss_bytes = max(_probe(loss_grad, hidden) for _ in range(3))
-    queued_ahead = max(loss_bytes - _paced_probe(loss_grad, hidden), 0)
+    queued_ahead = max(loss_bytes - _paced_probe(loss_grad, hidden), 0) if may_pace else 0
     # Every layer's input gradient flows through the embedding output of [batch, length, dim].
     embedding = batch * length * dim * dtype.size
     return Estimate(weights, state, activations + transient + embedding, loss_bytes,
@@ -263,7 +264,12 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
 def can_pace(estimate: Estimate | None) -> bool:
     """Whether pacing would lower this run's peak by a twentieth or more (the loss queues that
     far ahead), and not on Metal, where pacing is unmeasured."""
-    return estimate is not None and estimate.loss_queued_ahead > 0.05 * estimate.total and device_kind() != "Metal"
+    return estimate is not None and estimate.loss_queued_ahead > 0.05 * estimate.total and may_pace_here()
+
+
+def may_pace_here() -> bool:
+    """Whether pacing is allowed on this device: not on Metal, where it is unmeasured."""
+    return device_kind() != "Metal"
 
 
 def pacing_limit(estimate: Estimate) -> int:

@@ -264,10 +264,11 @@ class Trainer:
             return hidden_loss(self.model, hidden, targets, weights, c.optim.label_smoothing, c.model.loss_chunk,
                                training=True)[0]
 
+        may_pace = c.train.pace_memory and not c.train.memory_limit and memory.may_pace_here()
         estimate = memory.estimate(self.model, per_rank, length, targets.size, self.optimizer.state,
-                                   c.train.grad_accum_steps > 1, c.data.pack, loss_of_hidden)
+                                   c.train.grad_accum_steps > 1, c.data.pack, loss_of_hidden, may_pace)
         mx.reset_peak_memory()
-        if c.train.pace_memory and not c.train.memory_limit and memory.can_pace(estimate):
+        if may_pace and memory.can_pace(estimate):
             estimate = estimate.pace()
         return estimate
 

@@ -186,6 +186,8 @@ def test_pacing_takes_the_queued_loss_off_the_peak(wider_llama, tmp_path, capsys
         run = trainer(wider_llama, tmp_path / str(pace), pace_memory=pace)
         run.train()
         assert mx.get_memory_limit() == limit  # the process gets its limit back
+        if not pace:  # a run that will not pace does not probe the loss paced
+            assert run.estimate.loss_queued_ahead == 0 and not run.estimate.paced
         peaks.append(measured_peak(run) - before)
         losses.append([r["loss"] for r in train_records(run)])
     queued = run.estimate.loss_queued_ahead
