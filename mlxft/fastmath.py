@@ -239,6 +239,27 @@ def input_gradient(linear: nn.Module, cotangent: mx.array) -> mx.array:
     return cotangent @ linear["weight"]
 
 
+def lora_gradients(linear: nn.Module, scale: float, x: mx.array, cotangent: mx.array, lora_a: mx.array,
+                   lora_b: mx.array, batched: bool = False) -> tuple[mx.array, mx.array, mx.array]:
+    """The gradients of a plain LoRA layer's ``linear(x) + scale * (x @ lora_a) @ lora_b`` with
+    respect to ``x``, ``lora_a`` and ``lora_b``, given the output's: what the functions with their
+    own backward pass share. Computed in ``x``'s dtype, the adapters' gradients returned in theirs.
+    ``batched``: keep the leading (row) axis and sum the adapters' gradients over it, where
+    flattening a transposed cotangent (attention's q, k and v) would copy it."""
+    dtype, shape = x.dtype, x.shape
+    flat_cotangent = cotangent
+    if not batched:
+        x, flat_cotangent = x.reshape(-1, shape[-1]), cotangent.reshape(-1, cotangent.shape[-1])
+    scaled = (scale * flat_cotangent).astype(dtype)
+    low_cotangent = scaled @ lora_b.astype(dtype).T  # [..., tokens, rank]
+    grad_a = x.swapaxes(-1, -2) @ low_cotangent
+    grad_b = (x @ lora_a.astype(dtype)).swapaxes(-1, -2) @ scaled
+    if batched:
+        grad_a, grad_b = grad_a.sum(axis=0), grad_b.sum(axis=0)
+    grad_x = input_gradient(linear, cotangent) + (low_cotangent @ lora_a.astype(dtype).T).reshape(shape)
+    return grad_x, grad_a.astype(lora_a.dtype), grad_b.astype(lora_b.dtype)
+
+
 def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
     """``down(swiglu(gate, up))`` for a :func:`mlxft.lora.plain_lora` ``down``, whose backward pass keeps
     only ``gate`` and ``up``.
@@ -258,17 +279,9 @@ def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
     @fused.vjp
     def fused_vjp(primals, cotangent, output):
         gate, up, lora_a, lora_b = primals
-        dtype = cotangent.dtype
         sigmoid, silu_gate = _recomputed_silu(gate, cotangent)
-        hidden = (silu_gate * up).reshape(-1, up.shape[-1])
-        scaled = (scale * cotangent.reshape(-1, cotangent.shape[-1])).astype(dtype)
-        low_cotangent = scaled @ lora_b.astype(dtype).T  # [tokens, rank]
-        grad_a = hidden.T @ low_cotangent
-        grad_b = (hidden @ lora_a.astype(dtype)).T @ scaled
-        grad_hidden = input_gradient(linear, cotangent) + \
-            (low_cotangent @ lora_a.astype(dtype).T).reshape(up.shape)
-        return (*_swiglu_input_gradients(grad_hidden, up, sigmoid, silu_gate),
-                grad_a.astype(lora_a.dtype), grad_b.astype(lora_b.dtype))
+        grad_hidden, grad_a, grad_b = lora_gradients(linear, scale, silu_gate * up, cotangent, lora_a, lora_b)
+        return (*_swiglu_input_gradients(grad_hidden, up, sigmoid, silu_gate), grad_a, grad_b)
 
     return fused(gate, up, down.lora_a, down.lora_b)
 

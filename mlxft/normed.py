@@ -97,7 +97,7 @@ def norm_input(x: mx.array) -> _Source | None:
 def lora_of_normed(lora: nn.Module, normed: mx.array, source: _Source) -> mx.array:
     """``lora(normed)`` for a plain LoRA layer, where ``normed`` is the norm output ``source``
     describes: the backward pass recomputes it rather than keeping it."""
-    from mlxft.fastmath import input_gradient
+    from mlxft.fastmath import lora_gradients
 
     linear, scale, dtype = lora.linear, lora.scale, normed.dtype
 
@@ -109,14 +109,7 @@ def lora_of_normed(lora: nn.Module, normed: mx.array, source: _Source) -> mx.arr
     @projected.vjp
     def projected_vjp(primals, cotangent, output):
         _, lora_a, lora_b = primals
-        again = source.again(cotangent)
-        # Batched over rows: flattening a transposed cotangent (attention's q, k, v) would copy it.
-        scaled = (scale * cotangent).astype(dtype)
-        low_cotangent = scaled @ lora_b.astype(dtype).T  # [batch, tokens, rank]
-        grad_a = (again.swapaxes(-1, -2) @ low_cotangent).sum(axis=0)
-        grad_b = ((again @ lora_a.astype(dtype)).swapaxes(-1, -2) @ scaled).sum(axis=0)
-        grad_normed = input_gradient(linear, cotangent) + low_cotangent @ lora_a.astype(dtype).T
-        return grad_normed, grad_a.astype(lora_a.dtype), grad_b.astype(lora_b.dtype)
+        return lora_gradients(linear, scale, source.again(cotangent), cotangent, lora_a, lora_b, batched=True)
 
     return projected(normed, lora.lora_a, lora.lora_b)
 
