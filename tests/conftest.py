@@ -51,6 +51,19 @@ def _cache_tokenizers() -> None:
 
 _cache_tokenizers()
 
+
+def _start_processes_without_torch() -> None:
+    """Processes started by the tests import no torch (see started_processes/sitecustomize.py)."""
+    import os
+
+    here = str(Path(__file__).parent / "started_processes")
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
+
+
+_start_processes_without_torch()
+
 VOCAB = 151936  # Qwen3's embedding rows (tokenizer ids fit below it)
 
 LLAMA_CONFIG = {
