@@ -265,8 +265,9 @@ class Trainer:
                                training=True)[0]
 
         may_pace = c.train.pace_memory and not c.train.memory_limit and memory.may_pace_here()
-        estimate = memory.estimate(self.model, per_rank, length, targets.size, self.optimizer.state,
-                                   c.train.grad_accum_steps > 1, c.data.pack, loss_of_hidden, may_pace)
+        with self.world.local_work():  # its probes compile and run steps on this rank alone
+            estimate = memory.estimate(self.model, per_rank, length, targets.size, self.optimizer.state,
+                                       c.train.grad_accum_steps > 1, c.data.pack, loss_of_hidden, may_pace)
         mx.reset_peak_memory()
         if may_pace and memory.can_pace(estimate):
             estimate = estimate.pace()
