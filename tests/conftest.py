@@ -52,17 +52,18 @@ def _cache_tokenizers() -> None:
 _cache_tokenizers()
 
 
-def _start_processes_without_torch() -> None:
-    """Processes started by the tests import no torch (see started_processes/sitecustomize.py)."""
+def pytest_configure(config) -> None:
+    """Processes started by the tests import no torch (see started_processes/sitecustomize.py).
+
+    Not in the process that starts pytest-xdist's workers: they run the PEFT tests, which do."""
     import os
 
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
     here = str(Path(__file__).parent / "started_processes")
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if here not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
-
-
-_start_processes_without_torch()
 
 VOCAB = 151936  # Qwen3's embedding rows (tokenizer ids fit below it)
 

@@ -31,6 +31,13 @@ def wider_model(request, tmp_path_factory) -> Path:
     return write_model(tmp_path_factory.mktemp(request.param), config)
 
 
+@pytest.fixture(scope="module")
+def wider_llama(tmp_path_factory) -> Path:
+    """For what does not depend on the family (the advice's arithmetic, pacing, which layers
+    the backward pass reaches): one family is enough."""
+    return write_model(tmp_path_factory.mktemp("llama"), {**LLAMA_CONFIG, **SIZES})
+
+
 def random_rows(n: int, longest: int, seed: int = 0) -> list[Example]:
     rng = np.random.default_rng(seed)
     rows = []
@@ -97,10 +104,10 @@ def test_checkpointing_lowers_the_estimated_activations(wider_model, tmp_path):
     assert 0.75 <= partial.estimate.total / measured <= 1.25, (partial.estimate.describe(), measured / memory.GB)
 
 
-def test_layers_before_the_trained_ones_keep_nothing(wider_model, tmp_path):
+def test_layers_before_the_trained_ones_keep_nothing(wider_llama, tmp_path):
     # --num-layers 2 of 4: the backward pass never reaches the first two layers.
-    everything = trainer(wider_model, tmp_path / "a").estimate
-    last_two = trainer(wider_model, tmp_path / "b", num_layers=2)
+    everything = trainer(wider_llama, tmp_path / "a").estimate
+    last_two = trainer(wider_llama, tmp_path / "b", num_layers=2)
     assert last_two.estimate is not None and last_two.estimate.activations < everything.activations
     last_two.train()
     measured = measured_peak(last_two)
@@ -113,27 +120,27 @@ def test_layers_before_the_trained_ones_keep_nothing(wider_model, tmp_path):
 STEADY_LOSS = {"loss_chunk": 1 << 16, "pace_memory": False}
 
 
-def test_advice_recomputes_as_few_layers_as_fit_the_limit(wider_model, tmp_path):
-    plain = trainer(wider_model, tmp_path / "a", **STEADY_LOSS).estimate
+def test_advice_recomputes_as_few_layers_as_fit_the_limit(wider_llama, tmp_path):
+    plain = trainer(wider_llama, tmp_path / "a", **STEADY_LOSS).estimate
     layers = len(plain.recompute_savings)
     assert layers == 4 and all(saving > 0 for saving in plain.recompute_savings)
     # A limit that recomputing the first two layers meets and recomputing one does not.
     fits, short = plain.total_recomputing(2), plain.total_recomputing(1)
     assert fits < short <= plain.total
     limit = (fits + short) / 2
-    config = RunConfig.from_dict({"model": {"model": str(wider_model)}})
+    config = RunConfig.from_dict({"model": {"model": str(wider_llama)}})
     assert memory.advice(config, plain, limit).startswith(
         f"lower memory with --grad-checkpoint --checkpoint-layers 2 (estimated {fits / memory.GB:.2f} GB), or ")
     # The run as advised: its own estimate and its measured peak agree with the advice's figure.
     gc.collect()
     mx.clear_cache()
-    advised = trainer(wider_model, tmp_path / "b", grad_checkpoint=True, checkpoint_layers=2, **STEADY_LOSS)
+    advised = trainer(wider_llama, tmp_path / "b", grad_checkpoint=True, checkpoint_layers=2, **STEADY_LOSS)
     assert advised.estimate.total == pytest.approx(fits, rel=0.05), (advised.estimate.describe(), fits / memory.GB)
     advised.train()
     measured = measured_peak(advised)
     assert 0.75 <= fits / measured <= 1.25, (fits / memory.GB, measured / memory.GB)
     # From a run that already recomputes its first layer, only the count changes.
-    partial = trainer(wider_model, tmp_path / "c", grad_checkpoint=True, checkpoint_layers=1, memory_estimate=False,
+    partial = trainer(wider_llama, tmp_path / "c", grad_checkpoint=True, checkpoint_layers=1, memory_estimate=False,
                       **STEADY_LOSS)
     assert memory.advice(partial.config, plain, limit).startswith("lower memory with --checkpoint-layers 2 (")
     # Below what recomputing every layer gives, the advice says so and goes on to the other settings.
@@ -145,12 +152,12 @@ def test_advice_recomputes_as_few_layers_as_fit_the_limit(wider_model, tmp_path)
     assert memory.advice(config, plain, plain.total * 2).startswith("lower memory with --grad-checkpoint, or ")
 
 
-def test_fit_memory_recomputes_the_layers_the_advice_names(wider_model, tmp_path, capsys):
-    plain = trainer(wider_model, tmp_path / "a", **STEADY_LOSS).estimate
+def test_fit_memory_recomputes_the_layers_the_advice_names(wider_llama, tmp_path, capsys):
+    plain = trainer(wider_llama, tmp_path / "a", **STEADY_LOSS).estimate
     limit = (plain.total_recomputing(2) + plain.total_recomputing(1)) / 2
     before = mx.get_memory_limit()
     try:
-        run = trainer(wider_model, tmp_path / "b", memory_limit=limit / memory.GB, fit_memory=True,
+        run = trainer(wider_llama, tmp_path / "b", memory_limit=limit / memory.GB, fit_memory=True,
                       **STEADY_LOSS)
         assert [models.is_checkpointed(layer) for layer in run.model.layers] == [True, True, False, False]
         assert run.config.model.grad_checkpoint and run.config.model.checkpoint_layers == 2
@@ -166,12 +173,6 @@ def test_fit_memory_recomputes_the_layers_the_advice_names(wider_model, tmp_path
     # The saved config recomputes those layers, and so fits again as it stands.
     saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())["model"]
     assert (saved["grad_checkpoint"], saved["checkpoint_layers"], saved["fit_memory"]) == (True, 2, True)
-
-
-@pytest.fixture(scope="module")
-def wider_llama(tmp_path_factory) -> Path:
-    """Pacing does not depend on the family: one is enough."""
-    return write_model(tmp_path_factory.mktemp("llama"), {**LLAMA_CONFIG, **SIZES})
 
 
 @pytest.mark.skipif(memory.device_kind() == "Metal", reason="pacing is off on Metal")
