@@ -12,10 +12,10 @@ a SmolLM2-135M chat step (4 x 224 tokens) took 4.09-4.17 s against 4.42-4.50, wi
 Each kernel's source includes MLX's ``compiled_preamble.h``, and parsing it was 1.2 of the 1.4 s
 a kernel took to build on a 2-core EPYC (a run builds dozens; the test suite about 300). The
 wrapper precompiles that header once per MLX installation (keyed on its include directory and
-the header's time stamp, kept in the cache's ``jit/headers``) and puts it first on the include
-path: a kernel then builds in 0.3 s, to the same machine code. g++ checks that a precompiled
-header matches the compilation's flags and parses the header itself when it does not; while one
-process builds it, the others compile without it.
+the newest time stamp of its headers, kept in the cache's ``jit/headers``) and puts it first on
+the include path: a kernel then builds in 0.3 s, to the same machine code. g++ checks that a
+precompiled header matches the compilation's flags and parses the header itself when it does
+not; while one process builds it, the others compile without it.
 
 Applied once, on import, only on Linux while MLX's default device is the CPU and ``g++`` is
 installed; ``MLXFT_JIT=default`` leaves MLX's compiler as it is (and takes the wrapper off a
@@ -54,7 +54,9 @@ done
 header="$include/mlx/backend/cpu/compiled_preamble.h"
 pch=""
 if [ -n "$include" ] && [ -f "$header" ]; then
-  key=$(printf '%s\\n' "$include" "$(stat -c %Y "$header")" | cksum | cut -d" " -f1)
+  # The installation: its include directory and the newest time stamp among its headers.
+  newest=$(find "$include/mlx" -name "*.h" -printf "%T@\\n" 2>/dev/null | sort -n | tail -n 1)
+  key=$(printf '%s\\n' "$include" "$newest" | cksum | cut -d" " -f1)
   pch={headers}/$key
   if [ ! -f "$pch/ready" ] && [ ! -f "$pch/failed" ]; then
     # A lock left by a killed build; headers of installations unused for a month (50 MB each).

@@ -129,6 +129,9 @@ def test_mlx_header_is_precompiled_once_per_installation(tmp_path, refuse_header
     assert calls == [build] + [f"-I {pch} -march=native " + " ".join(kernel)] * 2
     assert (pch / "mlx" / "backend" / "cpu" / "compiled_preamble.h.gch").is_file()
     assert (pch / "mlx" / "backend" / "cpu" / "compiled_preamble.h").read_text() == header.read_text()
-    os.utime(header, (1, 1))  # MLX reinstalled: its header is precompiled anew
+    # MLX reinstalled or rebuilt (any header newer): its header is precompiled anew.
+    included = header.parent / "simd.h"
+    included.write_text("")
+    os.utime(included, (header.stat().st_mtime + 10,) * 2)
     assert subprocess.run([wrapper, *kernel]).returncode == 0
     assert len([d for d in pch.parent.iterdir() if not d.name.endswith(".lock")]) == 2
