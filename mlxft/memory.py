@@ -263,8 +263,9 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
 
 def can_pace(estimate: Estimate | None) -> bool:
     """Whether pacing would lower this run's peak by a twentieth or more (the loss queues that
-    far ahead), and not on Metal, where pacing is unmeasured."""
-    return estimate is not None and estimate.loss_queued_ahead > 0.05 * estimate.total and may_pace_here()
+    far ahead). Where pacing is not allowed (:func:`may_pace_here`), the estimate was made
+    without the paced probe and its queue is 0."""
+    return estimate is not None and estimate.loss_queued_ahead > 0.05 * estimate.total
 
 
 def may_pace_here() -> bool:
