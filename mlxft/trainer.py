@@ -269,7 +269,7 @@ class Trainer:
             estimate = memory.estimate(self.model, per_rank, length, targets.size, self.optimizer.state,
                                        c.train.grad_accum_steps > 1, c.data.pack, loss_of_hidden, may_pace)
         mx.reset_peak_memory()
-        if may_pace and memory.can_pace(estimate):
+        if memory.can_pace(estimate):  # never where may_pace is false: no paced probe, no queue
             estimate = estimate.pace()
         return estimate
 

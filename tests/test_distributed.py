@@ -253,10 +253,10 @@ def test_the_memory_estimate_counts_as_local_work(monkeypatch):
 
     world = distributed.World()
     depth = []
-    monkeypatch.setattr(memory, "estimate", lambda *args: depth.append(world._local_depth) or "estimated")
-    monkeypatch.setattr(memory, "may_pace_here", lambda: False)
+    estimated = memory.Estimate(weights=1, training_state=0, activations=0, loss=0)
+    monkeypatch.setattr(memory, "estimate", lambda *args: depth.append(world._local_depth) or estimated)
     rows = [Example(np.arange(12, dtype=np.int32), np.arange(12) > 5) for _ in range(4)]
     trainer = SimpleNamespace(world=world, config=RunConfig(), train_set=SimpleNamespace(examples=rows), model=None,
                               optimizer=SimpleNamespace(state={}))
-    assert Trainer.estimate_memory(trainer) == "estimated"
+    assert Trainer.estimate_memory(trainer) is estimated
     assert depth == [1] and world._local_depth == 0
