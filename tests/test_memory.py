@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from conftest import LFM2_CONFIG, LLAMA_CONFIG, write_model
-from mlxft import RunConfig, _gpu, memory, models
+from mlxft import RunConfig, _gpu, lora, memory, models
+from mlxft.config import AdapterConfig
 from mlxft.data import Dataset, Example
 from mlxft.trainer import Trainer, TrainingStopped
 
@@ -243,6 +244,31 @@ def test_recomputed_layers_keep_their_inputs_and_nothing_they_recompute(wider_mo
     expected = 2 * x.nbytes + 2 * batch * length * gate.linear.weight.shape[0] * 4
     assert expected <= memory._kept_for_backward(keeping_mlp, None, x) <= 1.05 * expected
     assert memory._kept_for_backward(plain, None, x) > 1.5 * expected  # the attention's activations besides
+
+
+def test_no_garbage_is_collected_while_a_probe_reads_the_counters(llama_dir, monkeypatch):
+    # Arrays in reference cycles that the collector frees mid-probe would be subtracted from what
+    # the probe allocated (a flaky suite: a layer's kept bytes read 0.3 of its input low). With a
+    # threshold of 1 the collector would run at nearly every allocation; it must not run between
+    # a probe's first and last reading of MLX's counters.
+    collections = lambda: sum(s["collections"] for s in gc.get_stats())
+    seen = []
+    for name in ("get_active_memory", "get_peak_memory"):
+        read = getattr(mx, name)
+        monkeypatch.setattr(mx, name, lambda read=read: seen.append(collections()) or read())
+    model = models.load(str(llama_dir), "float32")[0]
+    lora.apply(model, AdapterConfig(rank=4), seed=0)
+    layer = model.layers[0]
+    x = mx.random.normal((1, 8, LLAMA_CONFIG["hidden_size"]))
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        memory._kept_for_backward(layer, None, x)
+        memory._layer_peak(layer, None, x)
+    finally:
+        gc.set_threshold(*threshold)
+    assert len(seen) == 4 and seen[0] == seen[1] and seen[2] == seen[3], seen
+    assert gc.isenabled()
 
 
 def test_limits_are_applied_and_passing_one_says_what_to_lower(llama_dir, tmp_path, capsys):
