@@ -277,8 +277,15 @@ def build_step(
         next_window = None if update else (grads, loss_sum, tokens)
         return StepResult(loss_sum, tokens, norm, applied), next_window
 
+    def compile_kernels(batch, loss_scale: mx.array | None = None):
+        """Compute one micro-batch's gradients and drop them, changing no state: the backend
+        builds the step's kernels for this batch's shape here, before a step whose gradient
+        sum waits on the other ranks (``update`` False stops short of ``reduce``)."""
+        mx.eval(compiled(batch, None, False, unit_scale if loss_scale is None else loss_scale)[:3])
+
     step.state = state
     step.layout = layout
+    step.compile_kernels = compile_kernels
     return step
 
 

@@ -306,6 +306,7 @@ class Trainer:
         if self.valid_set is not None and self.step_count == 0 and self.batch_index == 0:
             self._evaluate()  # the baseline the validation curve starts from
         before = self._exact_match("before training") if t.exact_match_rows else None
+        self._compile_first_step()
         with self.stop:
             while self.step_count < self.total_steps:
                 batches = data.epoch_batches(self.train_set.lengths, t.batch_size, t.seed, self.epoch)
@@ -338,6 +339,21 @@ class Trainer:
             self._show_answers(before, after)
             result.exact_match_before, result.exact_match_after = before[0], after[0]
         return result
+
+    def _compile_first_step(self) -> None:
+        """With several ranks, build the first micro-batch's kernels as local work. The first
+        step would build them on its way to the gradient sum, where a peer waits on this rank
+        with its watchdog running: a slow compile (a fresh kernel cache, a busy machine) would
+        count against --dist-timeout as if this rank were lost."""
+        if self.world.size == 1 or self.step_count >= self.total_steps:
+            return
+        t = self.config.train
+        batches = data.epoch_batches(self.train_set.lengths, t.batch_size, t.seed, self.epoch)
+        if self.batch_index >= len(batches):
+            return
+        with self.world.local_work():
+            self.step.compile_kernels(self.batch(self.train_set, batches[self.batch_index]).arrays(),
+                                      self.scaler.array)
 
     def _micro_step(self, batches) -> None:
         """Queue one micro-batch; the last of its window (or of the epoch) applies the update.
@@ -493,12 +509,15 @@ class Trainer:
         t = self.config.train
         self.model.eval()
         loss_sum, tokens = mx.array(0.0), mx.array(0.0)
-        for indices in data.epoch_batches(dataset.lengths, t.batch_size, 0, 0, shuffle=False,
-                                          max_batches=t.max_eval_batches):
-            loss, ntokens = evaluation_loss(self.model, *self.batch(dataset, indices).arrays(), chunk=self.config.model.loss_chunk)
-            loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
-            mx.eval(loss_sum, tokens)
-            self.world.heartbeat()
+        # Up to the sum, each rank works on its own share: however long a batch takes (the first
+        # builds the loss's kernels), it is no sign of a lost peer.
+        with self.world.local_work():
+            for indices in data.epoch_batches(dataset.lengths, t.batch_size, 0, 0, shuffle=False,
+                                              max_batches=t.max_eval_batches):
+                loss, ntokens = evaluation_loss(self.model, *self.batch(dataset, indices).arrays(),
+                                                chunk=self.config.model.loss_chunk)
+                loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
+                mx.eval(loss_sum, tokens)
         loss_sum, tokens = self.world.all_sum((loss_sum, tokens))
         self.model.train()
         return loss_sum.item() / max(tokens.item(), 1), int(tokens.item())

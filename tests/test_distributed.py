@@ -36,13 +36,13 @@ def train_args(model, data, out, *extra):
             "--log-every", 1, *extra]
 
 
-def launch(tmp_path, args, ranks=2, timeout=240, start=None, on_line=None):
+def launch(tmp_path, args, ranks=2, timeout=240, start=None, on_line=None, extra_env=None):
     """Start ``ranks`` processes as mlx.launch would for the ring backend; return their results."""
     hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(ranks)]))
     procs = []
     for rank in (start if start is not None else range(ranks)):
-        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(extra_env or {}), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "PYTHONUNBUFFERED": "1"}
         procs.append(subprocess.Popen([sys.executable, *map(str, args)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     try:
@@ -81,7 +81,14 @@ def test_two_ranks_equal_one_process(llama_dir, uneven_data, tmp_path):
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     multi = tmp_path / "multi"
-    results = launch(tmp_path, train_args(llama_dir, uneven_data, multi, *base))
+    # A fresh kernel cache (MLX keeps it under TMPDIR) and a --dist-timeout shorter than building
+    # it (11 s for the first micro-batch here, alone): each rank builds its kernels as local work
+    # (the baseline validation, then the first micro-batch), not on the way to a sum that a peer
+    # waits on with its watchdog running.
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    results = launch(tmp_path, train_args(llama_dir, uneven_data, multi, *base, "--dist-timeout", 10),
+                     extra_env={"TMPDIR": str(kernels)})
     assert [r[0] for r in results] == [0, 0], [r[2][-800:] for r in results]
     assert "2 data-parallel ranks" in results[0][1] and results[1][1] == ""  # only rank 0 reports
     expected, got = adapters(single), adapters(multi)
@@ -260,3 +267,24 @@ def test_the_memory_estimate_counts_as_local_work(monkeypatch):
                               optimizer=SimpleNamespace(state={}))
     assert Trainer.estimate_memory(trainer) is estimated
     assert depth == [1] and world._local_depth == 0
+
+
+def test_validation_counts_as_local_work_up_to_its_sum(monkeypatch):
+    """Each rank scores its own share of every batch (the first builds the loss's kernels, for
+    as long as that takes); only the final sum waits on a peer."""
+    from mlxft import trainer as trainer_module
+    from mlxft.data import Dataset, Example
+
+    world = distributed.World()
+    depth = []
+    monkeypatch.setattr(trainer_module, "evaluation_loss",
+                        lambda *args, **kwargs: depth.append(world._local_depth) or (mx.array(1.0), mx.array(3.0)))
+    monkeypatch.setattr(world, "all_sum", lambda tree: depth.append(("sum", world._local_depth)) or tree)
+    rows = [Example(np.arange(12, dtype=np.int32), np.arange(12) > 5) for _ in range(6)]
+    config = RunConfig()
+    config.train.batch_size = 2
+    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    trainer = SimpleNamespace(world=world, config=config, model=model, valid_set=Dataset(None, rows, "completion"))
+    trainer.batch = lambda dataset, indices: Trainer.batch(trainer, dataset, indices)
+    assert Trainer.evaluate(trainer) == (1.0, 9)
+    assert depth == [1, 1, 1, ("sum", 0)]

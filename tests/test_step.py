@@ -45,10 +45,13 @@ def uneven_rows():
     return rows
 
 
-def params_after(model_dir, micro_batches, batch_size, optimizer_cls=optim.SGD, flat=None, loss_scale=None):
+def params_after(model_dir, micro_batches, batch_size, optimizer_cls=optim.SGD, flat=None, loss_scale=None,
+                 compile_first=False):
     model = lora_model(model_dir)
     opt = optimizer_cls(learning_rate=0.5)
     step = build_step(model, opt, loss_fn, flat=flat)
+    if compile_first:
+        step.compile_kernels(make_batch(micro_batches[0], batch_size, 4).arrays(), loss_scale)
     window = None
     for i, rows in enumerate(micro_batches):
         result, window = step(make_batch(rows, batch_size, 4).arrays(), window, update=i == len(micro_batches) - 1,
@@ -71,6 +74,19 @@ def test_accumulation_equals_one_big_batch(model_dir, flat=True):
         moved = np.abs(np.array(big[name]) - np.array(start[name])).max()
         assert moved > 1e-4, name  # the step really updated this tensor
         np.testing.assert_allclose(np.array(small[name]), np.array(big[name]), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_compiling_the_kernels_first_changes_nothing(llama_dir, flat):
+    """What a data-parallel run does before its first step (mlxft.trainer): the training that
+    follows is the same to the bit, optimizer moments included."""
+    rows = uneven_rows()
+    micro_batches = [rows[0:2], rows[2:4], rows[4:6]]
+    plain, plain_result = params_after(llama_dir, micro_batches, 2, optim.AdamW, flat=flat)
+    first, first_result = params_after(llama_dir, micro_batches, 2, optim.AdamW, flat=flat, compile_first=True)
+    assert first_result.loss_sum.item() == plain_result.loss_sum.item()
+    for name in plain:
+        np.testing.assert_array_equal(np.array(first[name]), np.array(plain[name]), err_msg=name)
 
 
 def test_mean_of_means_would_differ(model_dir):
