@@ -33,7 +33,9 @@ def test_default_job_reduced(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "MLXFT_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(
-        [sys.executable, "-m", "mlxft.train", "--max-steps", "2", "--exact-match-rows", "3", "--output-dir", str(out)],
+        # One validation batch of the three: each costs 1.5 s on a 2-core CPU and tells no more.
+        [sys.executable, "-m", "mlxft.train", "--max-steps", "2", "--exact-match-rows", "3", "--max-eval-batches", "1",
+         "--output-dir", str(out)],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -47,6 +49,6 @@ def test_default_job_reduced(tmp_path):
     matches = [r for r in records if r["type"] == "exact_match"]
     assert [r["step"] for r in matches] == [0, 2] and all(r["rows"] == 3 for r in matches)
     evals = [r for r in records if r["type"] == "eval"]
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 2
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 2 and evals[0]["val_tokens"] < 112  # of the 24 rows' 112
     # The converted model was cached for the next run.
     assert (tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file()
