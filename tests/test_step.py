@@ -79,7 +79,8 @@ def test_accumulation_equals_one_big_batch(model_dir, flat=True):
 @pytest.mark.parametrize("flat", [True, False])
 def test_compiling_the_kernels_first_changes_nothing(llama_dir, flat):
     """What a data-parallel run does before its first step (mlxft.trainer): the training that
-    follows is the same to the bit, optimizer moments included."""
+    follows is the same to the bit (an AdamW update, which reads the moments and the step count
+    that the compile must leave untouched)."""
     rows = uneven_rows()
     micro_batches = [rows[0:2], rows[2:4], rows[4:6]]
     plain, plain_result = params_after(llama_dir, micro_batches, 2, optim.AdamW, flat=flat)
