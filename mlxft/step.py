@@ -295,7 +295,9 @@ def gradient_tree(grads, layout: FlatTrainables | None):
 
 
 def gradient_window(tree, layout: FlatTrainables | None):
-    """A per-parameter gradient sum (a restored window) as the step holds it."""
+    """A per-parameter gradient sum (a restored window) as the step holds it: in the working
+    dtype, as the step sums it (checkpoints written before float32 sums hold half precision)."""
+    tree = tree_map(_widen, tree)
     return tree if layout is None else layout.flatten(tree)
 
 

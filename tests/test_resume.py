@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 from mlxft import RunConfig, Trainer, checkpoint
 from mlxft.errors import UserError
-from mlxft.step import LossScaler
+from mlxft.step import LossScaler, gradient_tree
 from mlxft.trainer import TrainingStopped, check_output_dir
 
 from conftest import CHAT_ROWS, write_jsonl
@@ -319,6 +319,33 @@ def test_non_finite_streak_stops_with_an_emergency_checkpoint(llama_dir, uninter
     # The checkpoint describes every step its weights went through.
     assert state["step"] == trainer.optimizer.state["step"].item() == state["skipped_steps"] == saved_at
     assert trainer.skipped_steps == saved_at
+
+
+def test_a_half_precision_window_from_an_older_checkpoint_resumes_in_float32(llama_dir, uninterrupted, tmp_path):
+    """mlxft once saved a float16 run's open window in float16; now it sums gradients in float32.
+    Such a checkpoint resumes with its window widened as it was saved, and trains to the end."""
+    def cfg(**train):
+        c = config(llama_dir, uninterrupted[0], tmp_path / "run", memory_estimate=False, max_steps=2, **train)
+        c.model.dtype, c.adapter.finetune, c.adapter.dropout, c.adapter.num_layers = "float16", "full", 0.0, 1
+        return c
+
+    first = Trainer(cfg())
+    stop_after(first, 1)
+    with pytest.raises(TrainingStopped) as stopped:
+        first.train()
+    window_file = stopped.value.checkpoint / "window.safetensors"
+    saved = mx.load(str(window_file))
+    assert {v.dtype for v in saved.values()} == {mx.float32}
+    old = {k: v if k.startswith("mlxft.") else v.astype(mx.float16) for k, v in saved.items()}
+    mx.save_safetensors(str(window_file), old)
+    resumed = Trainer(cfg(resume="latest"))
+    restored = dict(tree_flatten(gradient_tree(resumed.window[0], resumed.layout)))
+    assert set(restored) == {k for k in old if not k.startswith("mlxft.")}
+    for name, value in restored.items():
+        assert value.dtype == mx.float32, name
+        np.testing.assert_array_equal(np.array(value), np.array(old[name].astype(mx.float32)), err_msg=name)
+    resumed.train()
+    assert resumed.step_count == resumed.total_steps and np.isfinite(resumed.reporter.last_train_loss)
 
 
 def test_loss_scaler_backs_off_grows_and_is_checkpointed(llama_dir, uninterrupted, tmp_path):
