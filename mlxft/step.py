@@ -281,7 +281,7 @@ def build_step(
         """Compute one micro-batch's gradients and drop them, changing no state: the backend
         builds the step's kernels for this batch's shape here, before a step whose gradient
         sum waits on the other ranks (``update`` False stops short of ``reduce``)."""
-        mx.eval(compiled(batch, None, False, unit_scale if loss_scale is None else loss_scale)[:3])
+        mx.eval(step(batch, None, False, loss_scale)[1])
 
     step.state = state
     step.layout = layout
