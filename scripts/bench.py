@@ -125,17 +125,17 @@ def dataset_rows(data: str, model: str) -> tuple[list[Example], list[Example]]:
 
 
 def probe_trainer(name: str, model, rows: list[Example], grad_checkpoint: bool, loss_chunk: int, batch_size: int,
-                  **model_options):
-    """mlxft's Trainer on in-memory chat rows, as the probe scripts build it (LoRA r8 on every
-    linear, Adam at a constant 1e-4, no clipping, no memory estimate): its ``step`` is the
-    compiled step they time and measure. ``model_options``: more fields of the model config
-    (``checkpoint_layers``, ``checkpoint_keep_mlp``)."""
+                  targets: tuple[str, ...] = ("all",), **model_options):
+    """mlxft's Trainer on in-memory chat rows, as the probe scripts build it (LoRA r8 on
+    ``targets``, every linear by default, Adam at a constant 1e-4, no clipping, no memory
+    estimate): its ``step`` is the compiled step they time and measure. ``model_options``: more
+    fields of the model config (``checkpoint_layers``, ``checkpoint_keep_mlp``)."""
     from mlxft.trainer import Trainer
 
     config = RunConfig.from_dict({
         "model": {"model": name, "grad_checkpoint": grad_checkpoint, "loss_chunk": loss_chunk, **model_options},
         "data": {"data": "in-memory", "length_bucket": 32, "max_seq_length": 513},
-        "adapter": {"targets": ["all"], "rank": 8, "alpha": 16.0},
+        "adapter": {"targets": list(targets), "rank": 8, "alpha": 16.0},
         "optim": {"optimizer": "adam", "learning_rate": 1e-4, "schedule": "constant", "max_grad_norm": 0.0},
         "train": {"output_dir": tempfile.mkdtemp(), "batch_size": batch_size, "max_steps": 10,
                   "memory_estimate": False},

@@ -2,6 +2,7 @@
 
     python scripts/step_time_by_size.py --model config:lfm2-1.2b
     python scripts/step_time_by_size.py --model config:lfm2-1.2b --grad-checkpoint
+    python scripts/step_time_by_size.py --model config:lfm2-1.2b --targets feed_forward.w2
 
 Builds mlxft's Trainer on the benchmark's synthetic chat rows (``scripts/bench.py``), then repeats
 one micro-batch 20 times for each of four sizes: the 8 longest rows, 8 rows from the middle, the
@@ -9,6 +10,7 @@ one micro-batch 20 times for each of four sizes: the 8 longest rows, 8 rows from
 (``mx.async_eval``) and the time until the last one is done is divided by 20; ``queue_ms`` is the
 time spent in the calls alone and ``peak_gb`` the peak over those 20 steps. A step of 32 tokens
 leaves the device almost nothing to do, so its time is what queueing a step costs the host.
+``--targets`` adapts fewer linears than all of them: the difference is what the adapters cost.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     p.add_argument("--grad-checkpoint", action="store_true", help="with --loss-chunk 512, as the benchmark's checkpointed rows")
     p.add_argument("--checkpoint-layers", type=int, default=0, help="recompute only the first N layers (with --grad-checkpoint)")
     p.add_argument("--checkpoint-keep-mlp", action="store_true", help="keep the MLP's gate and up (with --grad-checkpoint)")
+    p.add_argument("--targets", default="all", help="comma-separated LoRA targets, as mlxft's --targets (default all)")
     args = p.parse_args()
 
     import mlx.core as mx
@@ -45,7 +48,8 @@ def main() -> None:
     rows = synthetic_rows(128, vocab, "chat", 512, 0, 0)
     rows.sort(key=lambda r: -len(r.ids))
     trainer = probe_trainer(args.model, model, rows, args.grad_checkpoint, 512 if args.grad_checkpoint else 0, 8,
-                            checkpoint_layers=args.checkpoint_layers, checkpoint_keep_mlp=args.checkpoint_keep_mlp)
+                            targets=tuple(args.targets.split(",")), checkpoint_layers=args.checkpoint_layers,
+                            checkpoint_keep_mlp=args.checkpoint_keep_mlp)
     step = trainer.step
     result = {"args": vars(args), "device": str(mx.default_device()),
               "environment": {k: os.environ.get(k) for k in ENVIRONMENT}}

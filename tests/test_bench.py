@@ -81,3 +81,22 @@ def test_mlxfts_side_runs_and_reports_its_estimate(llama_dir, chat_data):
     assert result["trainer"] == "mlxft" and result["tokens_per_sec"] > 0
     assert set(result["estimate_gb"]) == {"weights", "training_state", "activations", "loss"}
     assert sum(result["estimate_gb"].values()) == pytest.approx(result["estimated_peak_memory_gb"])
+
+
+def test_every_way_of_computing_an_adapter_does_the_same_work():
+    # scripts/lora_layer_cost.py times these against each other: a faster way that computed
+    # something else would be no finding.
+    import lora_layer_cost as cost
+    from mlx.utils import tree_flatten
+
+    mx.random.seed(0)
+    weights = [0.05 * mx.random.normal((32, 32)) for _ in range(3)]
+    adapters = [(0.1 * mx.random.normal((32, 8)), 0.1 * mx.random.normal((8, 32))) for _ in range(3)]
+    x = mx.random.normal((2, 5, 32))
+    value, grads = mx.value_and_grad(cost.as_mlxft, argnums=1)(weights, adapters, x)
+    assert float(mx.abs(tree_flatten(grads)[1][1]).sum()) > 0
+    for way in (cost.flattened, cost.in_compute_dtype, cost.with_addmm, cost.own_backward):
+        other_value, other_grads = mx.value_and_grad(way, argnums=1)(weights, adapters, x)
+        assert other_value.item() == pytest.approx(value.item(), rel=1e-5), way.__name__
+        for (_, a), (_, b) in zip(tree_flatten(other_grads), tree_flatten(grads)):
+            assert mx.allclose(a, b, rtol=1e-4, atol=1e-6).item(), way.__name__
