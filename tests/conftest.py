@@ -24,12 +24,15 @@ def _share_the_cores_among_workers() -> None:
     two workers on two cores ran four, and a pair of processes training the memory tests'
     model took 32-35 s instead of 25-27 s (single-threaded, one alone ran no slower). Set
     before MLX loads the library, which reads it once; processes the tests start inherit it.
-    A value the user set is kept."""
+    A value the user set is kept; MKL (``mlxft[mkl]``) gets the same share. The cores are those
+    this process may run on, which a container or ``taskset`` can make fewer than the machine's."""
     import os
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        for variable in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(variable, str(max(1, cores // workers)))
 
 
 _share_the_cores_among_workers()
