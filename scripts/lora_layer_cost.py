@@ -3,11 +3,11 @@
     python scripts/lora_layer_cost.py                  # 1,024 tokens
     python scripts/lora_layer_cost.py --tokens 32
 
-A stack of 32 frozen 2048x2048 linears (``--dim``) (bf16 on a GPU, float32 on the CPU) is differentiated
-compiled, once plain (input gradients only) and once per way of computing a rank-8 adapter on
-each of them; each is queued 30 times as the trainer queues steps (``mx.async_eval``). The time
-over the plain stack, divided by the 32 layers, is what an adapter costs a step: the H200's
-figures are in ``benchmarks/h200-lora-layer-cost.txt``. The ways:
+A stack of 32 frozen 2048x2048 linears (``--dim`` sets the width; bf16 on a GPU, float32 on the
+CPU) is differentiated compiled, once plain (input gradients only) and once per way of computing
+a rank-8 adapter on each of them; each is queued 30 times as the trainer queues steps
+(``mx.async_eval``). The time over the plain stack, divided by the 32 layers, is what an adapter
+costs a step: the H200's figures are in ``benchmarks/h200-lora-layer-cost.txt``. The ways:
 
 - ``mlxft``: the adapters stay float32 and are cast to the input's dtype (mlxft's LoRA arithmetic);
 - ``2d``: the same on ``[tokens, D]`` rows, the batch axis flattened once for the stack;
