@@ -100,3 +100,18 @@ def test_every_way_of_computing_an_adapter_does_the_same_work():
         assert other_value.item() == pytest.approx(value.item(), rel=1e-5), way.__name__
         for (_, a), (_, b) in zip(tree_flatten(other_grads), tree_flatten(grads)):
             assert mx.allclose(a, b, rtol=1e-4, atol=1e-6).item(), way.__name__
+
+
+def test_the_adapters_are_timed_against_the_frozen_stacks_forward_and_backward():
+    # Asked for the input gradient alone, MLX skips the forward matmuls nothing reads, and the
+    # adapters' figures would include them: the baseline must return the stack's value, the same
+    # value the adapted stack gives with adapters that add nothing.
+    import lora_layer_cost as cost
+
+    mx.random.seed(0)
+    weights = [0.05 * mx.random.normal((32, 32)) for _ in range(3)]
+    idle = [(0.1 * mx.random.normal((32, 8)), mx.zeros((8, 32))) for _ in range(3)]
+    x = mx.random.normal((2, 5, 32))
+    value, grad = cost.frozen_step()(weights, None, x)
+    assert grad.shape == x.shape
+    assert value.item() == pytest.approx(cost.as_mlxft(weights, idle, x).item(), rel=1e-6)
