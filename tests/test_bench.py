@@ -83,16 +83,21 @@ def test_mlxfts_side_runs_and_reports_its_estimate(llama_dir, chat_data):
     assert sum(result["estimate_gb"].values()) == pytest.approx(result["estimated_peak_memory_gb"])
 
 
+def _small_stack():
+    """Three frozen 32x32 linears with rank-8 adapters, and an input: lora_layer_cost.py's stack in small."""
+    mx.random.seed(0)
+    weights = [0.05 * mx.random.normal((32, 32)) for _ in range(3)]
+    adapters = [(0.1 * mx.random.normal((32, 8)), 0.1 * mx.random.normal((8, 32))) for _ in range(3)]
+    return weights, adapters, mx.random.normal((2, 5, 32))
+
+
 def test_every_way_of_computing_an_adapter_does_the_same_work():
     # scripts/lora_layer_cost.py times these against each other: a faster way that computed
     # something else would be no finding.
     import lora_layer_cost as cost
     from mlx.utils import tree_flatten
 
-    mx.random.seed(0)
-    weights = [0.05 * mx.random.normal((32, 32)) for _ in range(3)]
-    adapters = [(0.1 * mx.random.normal((32, 8)), 0.1 * mx.random.normal((8, 32))) for _ in range(3)]
-    x = mx.random.normal((2, 5, 32))
+    weights, adapters, x = _small_stack()
     value, grads = mx.value_and_grad(cost.as_mlxft, argnums=1)(weights, adapters, x)
     assert float(mx.abs(tree_flatten(grads)[1][1]).sum()) > 0
     for way in (cost.flattened, cost.in_compute_dtype, cost.with_addmm, cost.own_backward):
@@ -108,10 +113,8 @@ def test_the_adapters_are_timed_against_the_frozen_stacks_forward_and_backward()
     # value the adapted stack gives with adapters that add nothing.
     import lora_layer_cost as cost
 
-    mx.random.seed(0)
-    weights = [0.05 * mx.random.normal((32, 32)) for _ in range(3)]
-    idle = [(0.1 * mx.random.normal((32, 8)), mx.zeros((8, 32))) for _ in range(3)]
-    x = mx.random.normal((2, 5, 32))
+    weights, adapters, x = _small_stack()
+    idle = [(a, mx.zeros_like(b)) for a, b in adapters]
     value, grad = cost.frozen_step()(weights, None, x)
     assert grad.shape == x.shape
     assert value.item() == pytest.approx(cost.as_mlxft(weights, idle, x).item(), rel=1e-6)
