@@ -52,7 +52,9 @@ class AdapterSpec:
     rank: int
     scale: float  # the update is scale * (x @ lora_a) @ lora_b
     dropout: float
-    targets: list[str]  # module names inside a layer; ["*"] = the whole model (full fine-tuning)
+    # Module names inside a layer; for full fine-tuning ["*"] = the whole model and ["layers"] =
+    # every weight of the last num_layers layers.
+    targets: list[str]
     num_layers: int | None  # the last N layers (-1 = all); None = decided from the model (PEFT)
     layers: list[int] = field(default_factory=list)  # layer indices that hold tensors
     model_type: str = ""
@@ -182,6 +184,9 @@ def _mlx_lm_spec(path: Path, config: dict) -> AdapterSpec:
     if fine_tune_type == "full":
         params = params if isinstance(params, dict) else {}
         rank, scale = int(params.get("rank", 1) or 1), float(params.get("scale", 1.0) or 1.0)
+        # mlx-lm's full fine-tuning trains whole layers; mlxft's export names the modules it trained.
+        keys = params.get("keys")
+        targets = [str(k) for k in keys] if isinstance(keys, list) and keys else [lora.WHOLE_LAYERS]
     else:
         if not isinstance(params, dict):
             raise UserError(f"{where}: missing 'lora_parameters' (rank, scale, dropout)")
@@ -196,7 +201,7 @@ def _mlx_lm_spec(path: Path, config: dict) -> AdapterSpec:
             raise UserError(f"{where}: lora_parameters has no 'scale' (mlx-lm) or 'alpha'")
     return AdapterSpec(
         fine_tune_type=fine_tune_type, rank=rank, scale=scale,
-        dropout=float(params.get("dropout", 0.0) or 0.0), targets=["*"] if fine_tune_type == "full" else [],
+        dropout=float(params.get("dropout", 0.0) or 0.0), targets=targets if fine_tune_type == "full" else [],
         num_layers=num_layers, model_type=str(config.get("model_type", "")),
         base_model=str(config.get("base_model") or config.get("model") or ""), source="mlx-lm", path=path)
 
@@ -399,8 +404,17 @@ def start_from(model: nn.Module, config, path, seed: int = 0) -> list[str]:
         raise UserError(f"{spec.path}: the adapter is {spec.fine_tune_type} but the run trains {config.finetune}; "
                         f"pass --finetune {spec.fine_tune_type}")
     if config.finetune == "full":
+        if spec.targets == [lora.WHOLE_LAYERS]:
+            if config.targets != [lora.WHOLE_LAYERS]:
+                raise UserError(f"{spec.path}: the adapter trained whole layers, norms included (mlx-lm's full "
+                                f"fine-tuning); pass --targets {lora.WHOLE_LAYERS}")
+            _check_span(model, spec, config)
         targets = lora.apply(model, config, seed)
-        checkpoint.apply_adapter_weights(model, weights, str(spec.path))
+        try:
+            checkpoint.apply_adapter_weights(model, weights, str(spec.path))
+        except UserError:
+            model.freeze()  # as it came: a refused adapter leaves no trace
+            raise
         return targets
     if spec.rank != config.rank:
         raise UserError(f"{spec.path}: the adapter has rank {spec.rank} but the run uses {config.rank}; pass --rank {spec.rank}")
@@ -414,14 +428,18 @@ def start_from(model: nn.Module, config, path, seed: int = 0) -> list[str]:
         # The hint's alpha in full (repr): 6 digits (:g) can miss the 1e-6 tolerance (rsLoRA r=32: 181.019...).
         raise UserError(f"{spec.path}: the adapter's scale is {spec.scale:g} (alpha {spec.alpha:g}) but the run's is "
                         f"{run_scale:g}; pass --alpha {spec.alpha!r}")
+    _check_span(model, spec, config)
+    _apply_or_restore(model, config, seed, weights, str(spec.path))
+    return targets
+
+
+def _check_span(model: nn.Module, spec: AdapterSpec, config) -> None:
     total = len(model.layers)
     spans = resolve_num_layers(model, spec)
     spans, trains = total if spans == -1 else spans, len(lora.selected_layers(model, config.num_layers))
     if spans != trains:
         raise UserError(f"{spec.path}: the adapter spans the last {spans} layers but the run trains {trains}; "
                         f"pass --num-layers {spans}")
-    _apply_or_restore(model, config, seed, weights, str(spec.path))
-    return targets
 
 
 def run_settings(path, model: nn.Module | None = None) -> dict:

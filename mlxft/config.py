@@ -82,7 +82,9 @@ class AdapterConfig:
     targets: list = _opt(
         ["default"],
         "Modules to train, by name inside a layer (e.g. self_attn.q_proj), or one of: default "
-        "(per family; everything for full), all (every linear), attn, mlp. Comma-separated on the CLI.",
+        "(per family; everything for full), all (every linear), attn, mlp, or for full alone layers "
+        "(every weight of the trained layers, norms included, as mlx-lm's full fine-tuning). "
+        "Comma-separated on the CLI.",
     )
     num_layers: int = _opt(-1, "Train only the last N transformer layers; -1 = all.")
     rank: int = _opt(8, "LoRA rank r.")
@@ -376,6 +378,8 @@ def validate(config: RunConfig) -> None:
     need(0 <= a.dropout < 1, "adapter.dropout", f"must be in [0, 1), got {a.dropout}")
     need(a.num_layers == -1 or a.num_layers >= 1, "adapter.num_layers", "must be -1 (all) or >= 1")
     need(len(a.targets) >= 1, "adapter.targets", "name at least one module or 'default'")
+    need("layers" not in a.targets or (a.targets == ["layers"] and a.finetune == "full"), "adapter.targets",
+         "'layers' (every weight of the trained layers) stands alone and needs --finetune full")
     need(d.max_seq_length >= 2, "data.max_seq_length", f"must be >= 2, got {d.max_seq_length}")
     need(config.model.checkpoint_layers >= 0, "model.checkpoint_layers", "must be >= 0 (0 = every layer)")
     need(not config.model.checkpoint_layers or config.model.grad_checkpoint, "model.checkpoint_layers",

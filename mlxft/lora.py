@@ -4,7 +4,8 @@ Targets are module names inside a transformer layer (``self_attn.q_proj``) or th
 ``default``, ``all``, ``attn`` and ``mlp``. ``attn`` is the token mixer of each layer, which
 for LFM2 means the attention projections and the short-convolution in/out projections;
 ``mlp`` is the feed-forward. ``default`` is both, which covers every linear layer of the
-Llama and LFM2 families.
+Llama and LFM2 families. For full fine-tuning ``layers`` trains every weight of the selected
+layers, norms included: what mlx-lm's full fine-tuning trains.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from mlxft.config import AdapterConfig
 from mlxft.errors import UserError
 
 _LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
+WHOLE_LAYERS = "layers"  # the target that trains every weight of the selected layers (full only)
 _MIXER_WORDS = ("attn", "attention", "conv", "mixer")
 _FEED_FORWARD_WORDS = ("mlp", "feed_forward", "ffn")
 
@@ -151,6 +153,10 @@ def _unfreeze(model: nn.Module, layers: list[nn.Module], config: AdapterConfig) 
     if config.targets == ["default"] and config.num_layers == -1:
         model.unfreeze()
         return ["*"]
+    if config.targets == [WHOLE_LAYERS]:
+        for layer in layers:
+            layer.unfreeze()
+        return [WHOLE_LAYERS]
     targets = config.targets
     if targets == ["default"]:
         targets = ["all"]

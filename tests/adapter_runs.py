@@ -94,22 +94,24 @@ def synthetic_run(root: Path, model_dir: Path, finetune: str = "lora", targets=(
     return _once(key, make)
 
 
-def mlx_lm_run(root: Path, model_dir: Path) -> Path:
-    """A real ``mlx_lm lora`` run: rank 4, scale 3 (no alpha anywhere), the last 2 layers."""
+def mlx_lm_run(root: Path, model_dir: Path, full_layers: int = 0) -> Path:
+    """A real ``mlx_lm lora`` run: rank 4, scale 3 (no alpha anywhere), the last 2 layers; or
+    with ``full_layers`` a full fine-tune of that many last layers (whole layers, as mlx-lm trains)."""
 
     def make():
-        out = root / f"mlx-lm-{model_dir.name}"
+        out = root / f"mlx-lm-{model_dir.name}-{'full' if full_layers else 'lora'}"
         config = root / "mlx-lm-lora.yaml"
         config.write_text(json.dumps({"lora_parameters": {"rank": 4, "scale": 3.0, "dropout": 0.0}}))
+        layout = ["--fine-tune-type", "full", "--num-layers", str(full_layers)] if full_layers else ["--num-layers", "2"]
         proc = subprocess.run(
             [sys.executable, "-m", "mlx_lm", "lora", "--model", str(model_dir), "--train", "--data", str(data_dir(root)),
-             "--iters", "2", "--batch-size", "2", "--num-layers", "2", "--val-batches", "1", "--steps-per-eval", "100",
+             "--iters", "2", "--batch-size", "2", *layout, "--val-batches", "1", "--steps-per-eval", "100",
              "--learning-rate", "2e-2", "--adapter-path", str(out), "-c", str(config)],
             capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         return out
 
-    return _once(("mlx-lm", str(model_dir)), make)
+    return _once(("mlx-lm", str(model_dir), full_layers), make)
 
 
 def tokenizer_of(model_dir: Path):

@@ -119,6 +119,43 @@ def test_mlx_lm_run_loads_for_evaluation_and_training(lfm2_dir, runs_root):
     assert set(trainable) == set(stored) and all(mx.array_equal(trainable[k], stored[k]) for k in stored)
 
 
+def test_an_mlx_lm_full_fine_tune_continues_on_its_whole_layers(llama_dir, runs_root):
+    # mlx-lm's full fine-tuning trains every weight of the last N layers, norms included.
+    run = mlx_lm_run(runs_root, llama_dir, full_layers=1)
+    stored = mx.load(str(run / "adapters.safetensors"))
+    assert any("layernorm" in k for k in stored) and all(k.startswith("model.layers.1.") for k in stored)
+    settings = adapters.run_settings(run)
+    assert (settings["finetune"], settings["targets"], settings["num_layers"]) == ("full", ["layers"], 1)
+    for change, flag in [({"targets": ["default"]}, "--targets layers"), ({"num_layers": -1}, "--num-layers 1")]:
+        model = base_model(llama_dir)
+        with pytest.raises(UserError, match=flag):
+            adapters.start_from(model, AdapterConfig(**{**settings, **change}), run)
+        assert not checkpoint.trainable_weights(model)  # refused: still frozen
+    model = base_model(llama_dir)
+    assert adapters.start_from(model, AdapterConfig(**settings), run) == ["layers"]
+    trainable = checkpoint.trainable_weights(model)
+    assert set(trainable) == set(stored) and all(mx.array_equal(trainable[k], stored[k]) for k in stored)
+
+
+def test_the_cli_continues_an_mlx_lm_full_fine_tune_and_its_own_continuation(llama_dir, runs_root, chat_data,
+                                                                          tmp_path, capsys):
+    from mlxft.train import main as train_main
+
+    run = mlx_lm_run(runs_root, llama_dir, full_layers=1)
+    common = ["--model", str(llama_dir), "--data", str(chat_data), "--max-steps", "1", "--no-memory-estimate",
+              "--finetune", "full"]
+    assert train_main([*common, "--init-adapter", str(run), "--output-dir", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "pass --targets layers" in err
+    layout = ["--targets", "layers", "--num-layers", "1"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert train_main([*common, *layout, "--init-adapter", str(run), "--output-dir", str(first)]) == 0
+    assert train_main([*common, *layout, "--init-adapter", str(first), "--output-dir", str(second)]) == 0
+    stored = mx.load(str(run / "adapters.safetensors"))
+    for out in (first, second):
+        assert set(mx.load(str(out / "adapters.safetensors"))) == set(stored)
+
+
 def test_start_from_refuses_another_layout(llama_dir, runs_root):
     run = synthetic_run(runs_root, llama_dir, "lora")
     for change, flag in [({"rank": 8}, "--rank 4"), ({"alpha": 4.0}, "--alpha 8"), ({"targets": ["mlp"]}, "--targets"),

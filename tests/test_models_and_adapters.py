@@ -55,6 +55,13 @@ def test_dora_and_full(llama_dir):
     trainable, total = models.count_parameters(model)
     assert trainable == total
 
+    # Whole layers, as mlx-lm's full fine-tuning trains: norms too, nothing outside the layers.
+    model, _, _, _ = models.load(str(llama_dir), "float32")
+    assert lora.apply(model, AdapterConfig(finetune="full", targets=["layers"], num_layers=1), 0) == ["layers"]
+    last = dict(tree_flatten(model.model.layers[-1].parameters()))
+    assert trainable_names(model) == {f"model.layers.{len(model.layers) - 1}.{k}" for k in last}
+    assert any("layernorm" in k for k in last)
+
 
 def test_qlora_on_a_quantized_base(llama_dir):
     model, _, _, _ = models.load(str(llama_dir), "float32", quantize=4, group_size=32)
@@ -113,6 +120,10 @@ def test_config_layers_and_errors(tmp_path):
     partial = RunConfig.from_dict({"model": {"model": "m", "checkpoint_layers": 2}, "data": {"data": "d"}})
     with pytest.raises(UserError, match="model.checkpoint_layers: applies to checkpointed runs; add --grad-checkpoint"):
         cfg.validate(partial)
+    for adapter in ({"targets": ["layers"]}, {"finetune": "full", "targets": ["layers", "mlp"]}):
+        whole = RunConfig.from_dict({"model": {"model": "m"}, "data": {"data": "d"}, "adapter": adapter})
+        with pytest.raises(UserError, match="adapter.targets: 'layers' .* stands alone and needs --finetune full"):
+            cfg.validate(whole)
     keep_mlp = RunConfig.from_dict({"model": {"model": "m", "checkpoint_keep_mlp": True}, "data": {"data": "d"}})
     with pytest.raises(UserError, match="model.checkpoint_keep_mlp: applies to checkpointed runs; add --grad-checkpoint"):
         cfg.validate(keep_mlp)
