@@ -86,7 +86,7 @@ def load_adapter_dir(path) -> tuple[dict[str, mx.array], AdapterSpec]:
     if path.is_file() and path.name in (checkpoint.ADAPTER_FILE, PEFT_WEIGHTS):
         path = path.parent
     if not path.exists():
-        raise UserError(f"adapter directory {path} does not exist; check --adapter")
+        raise UserError(f"adapter directory {path} does not exist; check the path given to --adapter or --init-adapter")
     if not path.is_dir():
         raise UserError(f"adapter path {path} is a file; pass the directory that holds it")
     if (path / PEFT_WEIGHTS).is_file():
@@ -296,7 +296,10 @@ def _check_family(model: nn.Module, spec: AdapterSpec) -> None:
 
 def resolve_num_layers(model: nn.Module, spec: AdapterSpec) -> int:
     """How many of the last layers the adapter spans, for ``lora.apply``."""
-    total = len(model.layers)
+    return _span(len(model.layers), spec)
+
+
+def _span(total: int, spec: AdapterSpec) -> int:
     if spec.num_layers is None:  # PEFT: from the first layer that holds a tensor
         return total - spec.first_layer
     if spec.num_layers > total and spec.source == "mlx-lm":
@@ -442,17 +445,22 @@ def _check_span(model: nn.Module, spec: AdapterSpec, config) -> None:
                         f"pass --num-layers {spans}")
 
 
-def run_settings(path, model: nn.Module | None = None) -> dict:
+def run_settings(path, model: nn.Module | None = None, base_layers: int | None = None) -> dict:
     """The ``adapter`` config section an adapter directory was trained with, to default a run's
     settings to when it starts from that adapter: finetune, targets, rank, alpha (= scale * rank),
-    dropout and num_layers (a PEFT adapter records layer indices, so its count needs ``model``)."""
+    dropout and num_layers. How many layers an adapter spans can depend on the base (a PEFT
+    adapter records layer indices; mlx-lm's 16 layers on a smaller base mean all of them): pass
+    ``model``, or ``base_layers``, its layer count, where known without loading it."""
     _, spec = load_adapter_dir(path)
     settings = {"finetune": spec.fine_tune_type, "rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout,
                 "targets": ["default"] if spec.targets == ["*"] else list(spec.targets)}
+    total = len(model.layers) if model is not None else base_layers
     if spec.fine_tune_type == "full" and spec.targets == ["*"]:
         settings["num_layers"] = -1
-    elif spec.num_layers is not None or model is not None:
-        settings["num_layers"] = resolve_num_layers(model, spec) if model is not None else spec.num_layers
+    elif total is not None:
+        settings["num_layers"] = _span(total, spec)
+    elif spec.num_layers is not None:
+        settings["num_layers"] = spec.num_layers
     return settings
 
 

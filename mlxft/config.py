@@ -92,7 +92,7 @@ class AdapterConfig:
     dropout: float = _opt(0.0, "Dropout on the LoRA input.")
     init_adapter: str = _opt(
         "", "Start from this adapter directory (mlxft run or checkpoint, mlx-lm run, or PEFT adapter) "
-        "instead of fresh adapters; its layout must match the flags above."
+        "instead of fresh adapters; the fields above that are left unset take its layout."
     )
 
 
@@ -342,16 +342,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve(args: argparse.Namespace, config_path: str | None) -> RunConfig:
-    """Defaults, then the YAML file, then CLI flags; then validate."""
+    """Defaults, then the YAML file, then CLI flags; then validate. With ``adapter.init_adapter``
+    the adapter fields neither of them sets take the starting adapter's own layout."""
     config = RunConfig()
-    if config_path:
-        apply_overrides(config, load_yaml(config_path), str(config_path))
+    from_file = load_yaml(config_path) if config_path else {}
+    apply_overrides(config, from_file, str(config_path))
     overrides: dict[str, dict] = {}
     for dest, value in vars(args).items():
         if "." in dest:
             section, name = dest.split(".", 1)
             overrides.setdefault(section, {})[name] = value
     apply_overrides(config, overrides, "command line")
+    if config.adapter.init_adapter:
+        from mlxft.adapters import run_settings
+        from mlxft.models import local_layer_count
+
+        given = set(from_file.get("adapter") or {}) | set(overrides.get("adapter", {}))
+        settings = run_settings(Path(config.adapter.init_adapter).expanduser(),
+                                base_layers=local_layer_count(config.model.model))
+        for name, value in settings.items():
+            if name not in given:
+                setattr(config.adapter, name, value)
     validate(config)
     return config
 

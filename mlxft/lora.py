@@ -67,7 +67,7 @@ def resolve_targets(targets: list[str], available: list[str]) -> list[str]:
         else:
             raise UserError(
                 f"config field adapter.targets: '{target}' is not a linear module of the model's layers "
-                f"(available: {', '.join(available)}, or default/all/attn/mlp)"
+                f"(available: {', '.join(available)}, or default/all/attn/mlp, or {WHOLE_LAYERS} with --finetune full)"
             )
     if not chosen:
         raise UserError(f"config field adapter.targets: {', '.join(targets)} selects no module of this model")

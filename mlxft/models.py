@@ -50,6 +50,19 @@ def resolve_model_path(name: str, revision: str = "") -> Path:
         raise UserError(f"cannot download model {name}: {first_line(err)}") from err
 
 
+def local_layer_count(name: str) -> int | None:
+    """The layer count a local model directory's config.json gives; None for anything else (a
+    hub id, a built-in name) or a config without one, rather than download or convert it."""
+    if not name:
+        return None
+    try:
+        config = json.loads((Path(name).expanduser() / "config.json").read_text(encoding="utf-8"))
+        count = (config.get("text_config") or config).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return count if isinstance(count, int) and count > 0 else None
+
+
 def resolve_dtype(name: str) -> mx.Dtype:
     """``auto`` is float32 on the CPU (bf16 matmuls are slow there) and bfloat16 on a GPU."""
     if name == "auto":

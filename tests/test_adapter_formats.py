@@ -137,23 +137,43 @@ def test_an_mlx_lm_full_fine_tune_continues_on_its_whole_layers(llama_dir, runs_
     assert set(trainable) == set(stored) and all(mx.array_equal(trainable[k], stored[k]) for k in stored)
 
 
-def test_the_cli_continues_an_mlx_lm_full_fine_tune_and_its_own_continuation(llama_dir, runs_root, chat_data,
-                                                                          tmp_path, capsys):
+def test_the_cli_continues_mlx_lm_runs_in_their_own_layout(llama_dir, runs_root, chat_data, tmp_path, capsys):
+    """--init-adapter alone: the layout flags left unset take the adapter's (mlx-lm's LoRA with
+    its rank and scale; its full fine-tune's whole layers), a flag that is set is compared."""
+    import yaml
+
     from mlxft.train import main as train_main
 
-    run = mlx_lm_run(runs_root, llama_dir, full_layers=1)
-    common = ["--model", str(llama_dir), "--data", str(chat_data), "--max-steps", "1", "--no-memory-estimate",
-              "--finetune", "full"]
-    assert train_main([*common, "--init-adapter", str(run), "--output-dir", str(tmp_path / "refused")]) == 2
+    common = ["--model", str(llama_dir), "--data", str(chat_data), "--max-steps", "1", "--no-memory-estimate"]
+    lora_run, full_run = mlx_lm_run(runs_root, llama_dir), mlx_lm_run(runs_root, llama_dir, full_layers=1)
+    assert train_main([*common, "--init-adapter", str(full_run), "--targets", "all",
+                       "--output-dir", str(tmp_path / "refused")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "pass --targets layers" in err
-    layout = ["--targets", "layers", "--num-layers", "1"]
-    first, second = tmp_path / "first", tmp_path / "second"
-    assert train_main([*common, *layout, "--init-adapter", str(run), "--output-dir", str(first)]) == 0
-    assert train_main([*common, *layout, "--init-adapter", str(first), "--output-dir", str(second)]) == 0
-    stored = mx.load(str(run / "adapters.safetensors"))
+    first, second, lora_out = tmp_path / "first", tmp_path / "second", tmp_path / "lora"
+    assert train_main([*common, "--init-adapter", str(full_run), "--output-dir", str(first)]) == 0
+    assert train_main([*common, "--init-adapter", str(first), "--output-dir", str(second)]) == 0
+    stored = mx.load(str(full_run / "adapters.safetensors"))
     for out in (first, second):
         assert set(mx.load(str(out / "adapters.safetensors"))) == set(stored)
+        adapter = yaml.safe_load((out / "config.yaml").read_text())["adapter"]
+        assert (adapter["finetune"], adapter["targets"], adapter["num_layers"]) == ("full", ["layers"], 1)
+    assert train_main([*common, "--init-adapter", str(lora_run), "--output-dir", str(lora_out)]) == 0
+    adapter = yaml.safe_load((lora_out / "config.yaml").read_text())["adapter"]
+    assert (adapter["finetune"], adapter["rank"], adapter["alpha"]) == ("lora", 4, 12.0)
+    assert set(mx.load(str(lora_out / "adapters.safetensors"))) == set(mx.load(str(lora_run / "adapters.safetensors")))
+
+    # mlx-lm's default of 16 layers on a base with fewer means all of them (the base's
+    # config.json tells); a --num-layers that is given stands.
+    from mlxft import config as cfg
+    from mlxft.train import parser
+
+    sixteen = _copy(lora_run, tmp_path, "sixteen")
+    settings = json.loads((sixteen / "adapter_config.json").read_text())
+    (sixteen / "adapter_config.json").write_text(json.dumps({**settings, "num_layers": 16}))
+    for flags, expected in (([], -1), (["--num-layers", "1"], 1)):
+        resolved = cfg.resolve(parser().parse_args([*common, "--init-adapter", str(sixteen), *flags]), None)
+        assert (resolved.adapter.num_layers, resolved.adapter.rank) == (expected, 4)
 
 
 def test_start_from_refuses_another_layout(llama_dir, runs_root):
