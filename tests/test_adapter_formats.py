@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+import yaml
 from safetensors.numpy import load_file
 
 import mlx.core as mx
@@ -92,7 +93,7 @@ def test_rslora_scale_and_alpha_only_configs(llama_dir, runs_root, tmp_path):
     assert spec.source == "mlx-lm" and spec.scale == 2.5
 
 
-def test_mlx_lm_run_loads_for_evaluation_and_training(lfm2_dir, runs_root):
+def test_mlx_lm_run_loads_for_evaluation_and_training(lfm2_dir, runs_root, chat_data, tmp_path):
     from mlx_lm import load as mlx_lm_load
 
     run = mlx_lm_run(runs_root, lfm2_dir)
@@ -118,9 +119,29 @@ def test_mlx_lm_run_loads_for_evaluation_and_training(lfm2_dir, runs_root):
     trainable = dict(tree_flatten(model.trainable_parameters()))
     assert set(trainable) == set(stored) and all(mx.array_equal(trainable[k], stored[k]) for k in stored)
 
+    # On the command line --init-adapter alone: the layout flags left unset take the adapter's.
+    from mlxft import config as cfg
+    from mlxft.train import main as train_main, parser
 
-def test_an_mlx_lm_full_fine_tune_continues_on_its_whole_layers(llama_dir, runs_root):
+    common = ["--model", str(lfm2_dir), "--data", str(chat_data), "--max-steps", "1", "--no-memory-estimate"]
+    assert train_main([*common, "--init-adapter", str(run), "--output-dir", str(tmp_path / "continued")]) == 0
+    adapter = yaml.safe_load((tmp_path / "continued" / "config.yaml").read_text())["adapter"]
+    assert (adapter["finetune"], adapter["rank"], adapter["alpha"], adapter["num_layers"]) == ("lora", 4, 12.0, 2)
+    assert set(mx.load(str(tmp_path / "continued" / "adapters.safetensors"))) == set(stored)
+    # mlx-lm's default of 16 layers on a base with fewer means all of them (the base's
+    # config.json tells); a --num-layers that is given stands.
+    sixteen = _copy(run, tmp_path, "sixteen")
+    recorded = json.loads((sixteen / "adapter_config.json").read_text())
+    (sixteen / "adapter_config.json").write_text(json.dumps({**recorded, "num_layers": 16}))
+    for flags, expected in (([], -1), (["--num-layers", "1"], 1)):
+        resolved = cfg.resolve(parser().parse_args([*common, "--init-adapter", str(sixteen), *flags]), None)
+        assert (resolved.adapter.num_layers, resolved.adapter.rank) == (expected, 4)
+
+
+def test_an_mlx_lm_full_fine_tune_continues_on_its_whole_layers(llama_dir, runs_root, chat_data, tmp_path, capsys):
     # mlx-lm's full fine-tuning trains every weight of the last N layers, norms included.
+    from mlxft.train import main as train_main
+
     run = mlx_lm_run(runs_root, llama_dir, full_layers=1)
     stored = mx.load(str(run / "adapters.safetensors"))
     assert any("layernorm" in k for k in stored) and all(k.startswith("model.layers.1.") for k in stored)
@@ -136,44 +157,19 @@ def test_an_mlx_lm_full_fine_tune_continues_on_its_whole_layers(llama_dir, runs_
     trainable = checkpoint.trainable_weights(model)
     assert set(trainable) == set(stored) and all(mx.array_equal(trainable[k], stored[k]) for k in stored)
 
-
-def test_the_cli_continues_mlx_lm_runs_in_their_own_layout(llama_dir, runs_root, chat_data, tmp_path, capsys):
-    """--init-adapter alone: the layout flags left unset take the adapter's (mlx-lm's LoRA with
-    its rank and scale; its full fine-tune's whole layers), a flag that is set is compared."""
-    import yaml
-
-    from mlxft.train import main as train_main
-
+    # On the command line --init-adapter alone continues it, and mlxft's run after it; a layout
+    # flag that is given must agree.
     common = ["--model", str(llama_dir), "--data", str(chat_data), "--max-steps", "1", "--no-memory-estimate"]
-    lora_run, full_run = mlx_lm_run(runs_root, llama_dir), mlx_lm_run(runs_root, llama_dir, full_layers=1)
-    assert train_main([*common, "--init-adapter", str(full_run), "--targets", "all",
-                       "--output-dir", str(tmp_path / "refused")]) == 2
+    assert train_main([*common, "--init-adapter", str(run), "--targets", "all", "--output-dir", str(tmp_path / "no")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "pass --targets layers" in err
-    first, second, lora_out = tmp_path / "first", tmp_path / "second", tmp_path / "lora"
-    assert train_main([*common, "--init-adapter", str(full_run), "--output-dir", str(first)]) == 0
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert train_main([*common, "--init-adapter", str(run), "--output-dir", str(first)]) == 0
     assert train_main([*common, "--init-adapter", str(first), "--output-dir", str(second)]) == 0
-    stored = mx.load(str(full_run / "adapters.safetensors"))
     for out in (first, second):
         assert set(mx.load(str(out / "adapters.safetensors"))) == set(stored)
         adapter = yaml.safe_load((out / "config.yaml").read_text())["adapter"]
         assert (adapter["finetune"], adapter["targets"], adapter["num_layers"]) == ("full", ["layers"], 1)
-    assert train_main([*common, "--init-adapter", str(lora_run), "--output-dir", str(lora_out)]) == 0
-    adapter = yaml.safe_load((lora_out / "config.yaml").read_text())["adapter"]
-    assert (adapter["finetune"], adapter["rank"], adapter["alpha"]) == ("lora", 4, 12.0)
-    assert set(mx.load(str(lora_out / "adapters.safetensors"))) == set(mx.load(str(lora_run / "adapters.safetensors")))
-
-    # mlx-lm's default of 16 layers on a base with fewer means all of them (the base's
-    # config.json tells); a --num-layers that is given stands.
-    from mlxft import config as cfg
-    from mlxft.train import parser
-
-    sixteen = _copy(lora_run, tmp_path, "sixteen")
-    settings = json.loads((sixteen / "adapter_config.json").read_text())
-    (sixteen / "adapter_config.json").write_text(json.dumps({**settings, "num_layers": 16}))
-    for flags, expected in (([], -1), (["--num-layers", "1"], 1)):
-        resolved = cfg.resolve(parser().parse_args([*common, "--init-adapter", str(sixteen), *flags]), None)
-        assert (resolved.adapter.num_layers, resolved.adapter.rank) == (expected, 4)
 
 
 def test_start_from_refuses_another_layout(llama_dir, runs_root):
