@@ -57,6 +57,11 @@ class ModelConfig:
                "SmolLM2 chat on the CPU: 1.48 GB against 2.32 without recomputation and 1.08 with all of it. "
                "Llama and LFM2 families."
     )
+    recompute_mlp: bool = _opt(
+        False, "Compute each MLP's gate and up projections again in the backward pass rather than keep them, "
+               "where gate, up and down are LoRA layers: about half of what a layer keeps, for two of its "
+               "matmuls (no other recomputation). Llama and LFM2 families."
+    )
     fit_memory: bool = _opt(
         False, "When the memory estimate passes the memory limit (--memory-limit, or MLX's), recompute as few "
                "more layers as bring it under: the --grad-checkpoint --checkpoint-layers N that the warning would "
@@ -397,6 +402,8 @@ def validate(config: RunConfig) -> None:
          "applies to checkpointed runs; add --grad-checkpoint")
     need(not config.model.checkpoint_keep_mlp or config.model.grad_checkpoint, "model.checkpoint_keep_mlp",
          "applies to checkpointed runs; add --grad-checkpoint")
+    need(not (config.model.recompute_mlp and config.model.checkpoint_keep_mlp), "model.recompute_mlp",
+         "recomputes what --checkpoint-keep-mlp keeps; pass one of the two")
     need(config.model.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0 = no chunking)")
     need(not config.model.fit_memory or config.train.memory_estimate, "model.fit_memory",
          "fits the run by the memory estimate; drop --no-memory-estimate")

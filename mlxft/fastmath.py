@@ -18,7 +18,8 @@ where autograd keeps the sigmoid and the SiLU as well (tested on a compiled stac
 of 256 tokens: the compiled step's peak fell from 1,069 to 939 MB. Where the down projection
 is a LoRA layer, :func:`swiglu_lora` makes the SwiGLU and that projection one function, so the
 SwiGLU's output is not kept for the adapter's gradient either (H200, plain chat: LFM2-1.2B
-11.36 -> 10.49 GB at the same speed).
+11.36 -> 10.49 GB at the same speed). With ``--recompute-mlp``, :func:`recomputed_mlp` makes the
+whole LoRA MLP one function that keeps only its input and computes gate and up again.
 """
 
 from __future__ import annotations
@@ -286,8 +287,50 @@ def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
     return fused(gate, up, down.lora_a, down.lora_b)
 
 
-def _swiglu_mlp(gate: str, up: str, down: str):
+def _lora(module: nn.Module, x: mx.array, lora_a: mx.array, lora_b: mx.array) -> mx.array:
+    """A plain LoRA layer's output for ``x``, computed in ``x``'s dtype."""
+    low = x @ lora_a.astype(x.dtype)
+    return module.linear(x) + (module.scale * (low @ lora_b.astype(x.dtype))).astype(x.dtype)
+
+
+def recomputed_mlp(gate: nn.Module, up: nn.Module, down: nn.Module, x: mx.array) -> mx.array:
+    """``down(swiglu(gate(x), up(x)))`` for plain LoRA ``gate``, ``up`` and ``down``, whose
+    backward pass keeps only ``x`` (nothing, where ``x`` is a recording norm's output:
+    :mod:`mlxft.normed`) and computes the gate and up projections again.
+
+    Those two arrays of the MLP's width are most of what a layer keeps (8 of about 17 arrays
+    of the hidden width for Llama-3.2-1B and LFM2-1.2B); computing them again costs two of
+    the layer's matmuls and their adapters' products, not a whole recomputed layer."""
+    from mlxft import normed
+
+    source = normed.norm_input(x)
+
+    @mx.custom_function
+    def fused(x, gate_a, gate_b, up_a, up_b, down_a, down_b):
+        return _lora(down, swiglu(_lora(gate, x, gate_a, gate_b), _lora(up, x, up_a, up_b)), down_a, down_b)
+
+    @fused.vjp
+    def fused_vjp(primals, cotangent, output):
+        x, gate_a, gate_b, up_a, up_b, down_a, down_b = primals
+        # Tied to the cotangent, so the compiled step cannot merge them with the forward's.
+        again = source.again(cotangent) if source is not None else mx.depends(x, cotangent)
+        g, u = _lora(gate, again, gate_a, gate_b), _lora(up, again, up_a, up_b)
+        sigmoid, silu_gate = _recomputed_silu(g, cotangent)
+        grad_hidden, grad_down_a, grad_down_b = lora_gradients(down.linear, down.scale, silu_gate * u, cotangent,
+                                                               down_a, down_b)
+        grad_g, grad_u = _swiglu_input_gradients(grad_hidden, u, sigmoid, silu_gate)
+        grad_x_gate, grad_gate_a, grad_gate_b = lora_gradients(gate.linear, gate.scale, again, grad_g, gate_a, gate_b)
+        grad_x_up, grad_up_a, grad_up_b = lora_gradients(up.linear, up.scale, again, grad_u, up_a, up_b)
+        return (grad_x_gate + grad_x_up, grad_gate_a, grad_gate_b, grad_up_a, grad_up_b,
+                grad_down_a, grad_down_b)
+
+    return fused(x, gate.lora_a, gate.lora_b, up.lora_a, up.lora_b, down.lora_a, down.lora_b)
+
+
+def _swiglu_mlp(gate: str, up: str, down: str, recompute: bool = False):
     def call(self, x):
+        if recompute and plain_lora(self[gate]) and plain_lora(self[up]) and plain_lora(self[down]):
+            return recomputed_mlp(self[gate], self[up], self[down], x)
         g, u = self[gate](x), self[up](x)
         if plain_lora(self[down]):
             return swiglu_lora(self[down], g, u)
@@ -296,22 +339,24 @@ def _swiglu_mlp(gate: str, up: str, down: str):
     return call
 
 
-# One MLP call per family, from the names of its projections.
-_MLP_CALLS = {name: _swiglu_mlp(*parts.projections) for name, parts in models.LAYER_PARTS.items()}
+# One MLP call per family and choice, from the names of its projections.
+_MLP_CALLS = {(name, recompute): _swiglu_mlp(*parts.projections, recompute=recompute)
+              for name, parts in models.LAYER_PARTS.items() for recompute in (False, True)}
 
 
-def enable(model: nn.Module) -> bool:
+def enable(model: nn.Module, recompute_mlp: bool = False) -> bool:
     """Give a supported family's MLPs :func:`swiglu` (same weights, same function) and its
     attention the written-out softmax; returns whether it applied. The MLPs change per
-    instance; attention is a function of the family's mlx-lm module, so it is replaced there
+    instance (``recompute_mlp``: :func:`recomputed_mlp` where its projections are plain LoRA
+    layers); attention is a function of the family's mlx-lm module, so it is replaced there
     for the process, by one that takes :func:`attention` only for float32 training shapes
     on the CPU and mlx-lm's own path otherwise. Other families keep mlx-lm's code."""
     family = models.family(model)
-    if family not in _MLP_CALLS:
+    if (family, recompute_mlp) not in _MLP_CALLS:
         return False
     module = sys.modules[type(model).__module__]
     if not hasattr(module.scaled_dot_product_attention, "mlxft_original"):
         module.scaled_dot_product_attention = _attention_for(module.scaled_dot_product_attention)
     for layer in model.layers:
-        models.override_call(layer[models.LAYER_PARTS[family].mlp], _MLP_CALLS[family], "_mlxft_fast_exp")
+        models.override_call(layer[models.LAYER_PARTS[family].mlp], _MLP_CALLS[family, recompute_mlp], "_mlxft_fast_exp")
     return True

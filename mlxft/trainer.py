@@ -137,7 +137,7 @@ class Trainer:
             self.targets = lora.apply(model, config.adapter, t.seed)
         if config.data.pack:
             packing.enable(model)
-        fastmath.enable(model)
+        fastmath.enable(model, config.model.recompute_mlp)
         normed.enable(model)
         if config.model.grad_checkpoint:
             models.checkpoint_layers(model, config.model.checkpoint_layers, config.model.checkpoint_keep_mlp)

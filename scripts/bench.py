@@ -230,6 +230,7 @@ def run_mlxft(args, rows, val_rows):
         config = RunConfig.from_dict({
             "model": {"model": args.model, "grad_checkpoint": args.grad_checkpoint,
                       "checkpoint_layers": args.checkpoint_layers, "checkpoint_keep_mlp": args.checkpoint_keep_mlp,
+                      "recompute_mlp": args.recompute_mlp,
                       "loss_chunk": args.loss_chunk},
             "data": {"data": "in-memory", "length_bucket": 32, "max_seq_length": args.max_len + 1, "pack": args.pack},
             "adapter": {"targets": ["all"], "rank": args.rank, "alpha": 2.0 * args.rank},
@@ -313,6 +314,7 @@ def main() -> None:
     p.add_argument("--grad-checkpoint", action="store_true", help="mlxft recomputes layer activations")
     p.add_argument("--checkpoint-layers", type=int, default=0, help="with --grad-checkpoint, only the first N layers")
     p.add_argument("--checkpoint-keep-mlp", action="store_true", help="with --grad-checkpoint, keep the MLP's gate and up projections")
+    p.add_argument("--recompute-mlp", action="store_true", help="mlxft recomputes each MLP's gate and up projections")
     p.add_argument("--pack", action="store_true", help="mlxft packs each micro-batch's rows (same rows, same loss)")
     p.add_argument("--lora-float32", action="store_true", help="mlxft computes LoRA in float32 as mlx-lm does")
     p.add_argument("--loss-chunk", type=int, default=0, help="mlxft scores supervised positions in recomputed chunks")

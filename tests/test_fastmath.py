@@ -321,7 +321,7 @@ def test_compiled_fused_mlp_keeps_only_gate_and_up_for_the_lora_gradients():
                 for name in ("gate_proj", "up_proj", "down_proj"):
                     setattr(block.mlp, name, LoRALinear.from_base(getattr(block.mlp, name), r=8))
             lora.compute_lora_in_input_dtype(stack)
-            call = fastmath._MLP_CALLS["llama"]
+            call = fastmath._MLP_CALLS["llama", False]
             for block in stack.layers:
                 models.override_call(block.mlp, call, "_mlxft_fast_exp")
             x = mx.random.normal((tokens, dim))

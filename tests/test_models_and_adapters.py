@@ -124,6 +124,10 @@ def test_config_layers_and_errors(tmp_path):
         whole = RunConfig.from_dict({"model": {"model": "m"}, "data": {"data": "d"}, "adapter": adapter})
         with pytest.raises(UserError, match="adapter.targets: 'layers' .* stands alone and needs --finetune full"):
             cfg.validate(whole)
+    both = RunConfig.from_dict({"model": {"model": "m", "grad_checkpoint": True, "checkpoint_keep_mlp": True,
+                                          "recompute_mlp": True}, "data": {"data": "d"}})
+    with pytest.raises(UserError, match="model.recompute_mlp: recomputes what --checkpoint-keep-mlp keeps"):
+        cfg.validate(both)
     keep_mlp = RunConfig.from_dict({"model": {"model": "m", "checkpoint_keep_mlp": True}, "data": {"data": "d"}})
     with pytest.raises(UserError, match="model.checkpoint_keep_mlp: applies to checkpointed runs; add --grad-checkpoint"):
         cfg.validate(keep_mlp)

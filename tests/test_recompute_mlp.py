@@ -1,0 +1,86 @@
+"""--recompute-mlp: the MLP's gate and up projections computed again in the backward pass."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlxft import RunConfig, fastmath, lora, memory, models, normed
+from mlxft.config import AdapterConfig
+from mlxft.data import Dataset, Example, make_batch
+from mlxft.trainer import Trainer
+from tests.test_loss import _rows, assert_same_loss_and_gradients
+from tests.test_normed import _loss_and_grads
+
+
+def _model(model_dir, recompute: bool, with_normed: bool, finetune: str = "lora", dropout: float = 0.0):
+    model, *_ = models.load(str(model_dir), "float32")
+    lora.apply(model, AdapterConfig(finetune=finetune, rank=4, dropout=dropout), seed=0)
+    # Non-zero B so every adapter moves the output and receives a full gradient.
+    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(1)) * 0.05,
+                                   model.trainable_parameters()))
+    assert fastmath.enable(model, recompute)
+    if with_normed:
+        assert normed.enable(model)  # the CPU: the MLP's input is a recording norm's output
+    return model
+
+
+def _counting_recomputed_mlp(patch):
+    taken = []
+    recomputed_mlp = fastmath.recomputed_mlp
+    patch.setattr(fastmath, "recomputed_mlp", lambda *a: taken.append(a[0]) or recomputed_mlp(*a))
+    return taken
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("with_normed", [False, True])
+def test_recomputed_gate_and_up_change_neither_loss_nor_gradients(model_dir, compiled, with_normed):
+    batch = make_batch(_rows(4) + _rows(5), 6, 8).arrays()
+    plain = _model(model_dir, False, with_normed)
+    recomputing = _model(model_dir, True, with_normed)
+    with pytest.MonkeyPatch.context() as patch:
+        taken = _counting_recomputed_mlp(patch)
+        recomputed = _loss_and_grads(recomputing, batch, compiled)
+    assert len(taken) == len(plain.layers)
+    assert_same_loss_and_gradients(recomputed, _loss_and_grads(plain, batch, compiled), spread=1e-5)
+
+
+def test_a_layer_no_longer_keeps_its_gate_and_up(model_dir):
+    plain, recomputing = _model(model_dir, False, False), _model(model_dir, True, False)
+    gate_name = models.LAYER_PARTS[models.family(plain)].projections[0]
+    x = mx.random.normal((4, 64, plain.args.hidden_size), key=mx.random.key(2))
+    for before, after in zip(plain.layers, recomputing.layers):
+        mlp = before[models.LAYER_PARTS[models.family(plain)].mlp]
+        gate_and_up = 2 * x.shape[0] * x.shape[1] * mlp[gate_name].linear.weight.shape[0] * 4
+        saved = memory._kept_for_backward(before, None, x) - memory._kept_for_backward(after, None, x)
+        assert 0.95 <= saved / gate_and_up <= 1.1, saved / gate_and_up
+
+
+def test_what_is_not_three_plain_lora_projections_keeps_the_plain_mlp(llama_dir):
+    """DoRA, or an active dropout (its mask would have to be kept): computed as before."""
+    for settings in ({"finetune": "dora"}, {"dropout": 0.1}):
+        model = _model(llama_dir, True, False, **settings)
+        with pytest.MonkeyPatch.context() as patch:
+            taken = _counting_recomputed_mlp(patch)
+            mx.eval(model(mx.array([[5, 6, 7, 8]])))
+        assert not taken, settings
+
+
+def test_a_run_with_recompute_mlp_trains_as_one_without(llama_dir, tmp_path):
+    rows = [Example(np.arange(10 + i, 40 + i, dtype=np.int32), np.arange(30) >= 10) for i in range(4)]
+    losses = []
+    for recompute in (False, True):
+        config = RunConfig.from_dict({
+            "model": {"model": str(llama_dir), "dtype": "float32", "recompute_mlp": recompute},
+            "data": {"data": "in-memory"},
+            "train": {"output_dir": str(tmp_path / str(recompute)), "batch_size": 2, "max_steps": 3, "log_every": 1},
+        })
+        trainer = Trainer(config, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+        with pytest.MonkeyPatch.context() as patch:
+            taken = _counting_recomputed_mlp(patch)
+            result = trainer.train()
+        assert bool(taken) == recompute
+        losses.append(result.train_loss)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
