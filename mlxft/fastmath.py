@@ -261,6 +261,12 @@ def lora_gradients(linear: nn.Module, scale: float, x: mx.array, cotangent: mx.a
     return grad_x, grad_a.astype(lora_a.dtype), grad_b.astype(lora_b.dtype)
 
 
+def _lora(module: nn.Module, x: mx.array, lora_a: mx.array, lora_b: mx.array) -> mx.array:
+    """A plain LoRA layer's output for ``x``, computed in ``x``'s dtype."""
+    low = x @ lora_a.astype(x.dtype)
+    return module.linear(x) + (module.scale * (low @ lora_b.astype(x.dtype))).astype(x.dtype)
+
+
 def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
     """``down(swiglu(gate, up))`` for a :func:`mlxft.lora.plain_lora` ``down``, whose backward pass keeps
     only ``gate`` and ``up``.
@@ -273,9 +279,7 @@ def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
 
     @mx.custom_function
     def fused(gate, up, lora_a, lora_b):
-        hidden = swiglu(gate, up)
-        low = hidden @ lora_a.astype(hidden.dtype)
-        return linear(hidden) + (scale * (low @ lora_b.astype(hidden.dtype))).astype(hidden.dtype)
+        return _lora(down, swiglu(gate, up), lora_a, lora_b)
 
     @fused.vjp
     def fused_vjp(primals, cotangent, output):
@@ -285,12 +289,6 @@ def swiglu_lora(down: nn.Module, gate: mx.array, up: mx.array) -> mx.array:
         return (*_swiglu_input_gradients(grad_hidden, up, sigmoid, silu_gate), grad_a, grad_b)
 
     return fused(gate, up, down.lora_a, down.lora_b)
-
-
-def _lora(module: nn.Module, x: mx.array, lora_a: mx.array, lora_b: mx.array) -> mx.array:
-    """A plain LoRA layer's output for ``x``, computed in ``x``'s dtype."""
-    low = x @ lora_a.astype(x.dtype)
-    return module.linear(x) + (module.scale * (low @ lora_b.astype(x.dtype))).astype(x.dtype)
 
 
 def recomputed_mlp(gate: nn.Module, up: nn.Module, down: nn.Module, x: mx.array) -> mx.array:

@@ -35,15 +35,18 @@ def _counting_recomputed_mlp(patch):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("with_normed", [False, True])
-def test_recomputed_gate_and_up_change_neither_loss_nor_gradients(model_dir, compiled, with_normed):
+@pytest.mark.parametrize("with_normed,checkpointed", [(False, False), (True, False), (True, True)])
+def test_recomputed_gate_and_up_change_neither_loss_nor_gradients(model_dir, compiled, with_normed, checkpointed):
     batch = make_batch(_rows(4) + _rows(5), 6, 8).arrays()
     plain = _model(model_dir, False, with_normed)
     recomputing = _model(model_dir, True, with_normed)
+    if checkpointed:  # every layer recomputed as well: the MLP runs again inside mx.checkpoint
+        models.checkpoint_layers(plain)
+        models.checkpoint_layers(recomputing)
     with pytest.MonkeyPatch.context() as patch:
         taken = _counting_recomputed_mlp(patch)
         recomputed = _loss_and_grads(recomputing, batch, compiled)
-    assert len(taken) == len(plain.layers)
+    assert len(taken) == len(plain.layers) * (2 if checkpointed else 1)
     assert_same_loss_and_gradients(recomputed, _loss_and_grads(plain, batch, compiled), spread=1e-5)
 
 
