@@ -34,8 +34,10 @@ def _counting_recomputed_mlp(patch):
     return taken
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("with_normed,checkpointed", [(False, False), (True, False), (True, True)])
+# Eager with the MLP's input kept; compiled with it recomputed from the norm (the CPU's path),
+# alone and inside --grad-checkpoint.
+@pytest.mark.parametrize("compiled,with_normed,checkpointed", [(False, False, False), (True, True, False),
+                                                               (True, True, True)])
 def test_recomputed_gate_and_up_change_neither_loss_nor_gradients(model_dir, compiled, with_normed, checkpointed):
     batch = make_batch(_rows(4) + _rows(5), 6, 8).arrays()
     plain = _model(model_dir, False, with_normed)
