@@ -41,6 +41,7 @@ TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.jso
                       "vocab.json", "vocab.txt", "merges.txt")
 
 # model.layers.<i>.<module inside the layer>.<lora_a | lora_b | m>
+_LAYER_TENSOR = re.compile(r"(^|\.)layers\.\d+\.")
 _ADAPTER_TENSOR = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?P<module>.+)\.(?P<leaf>lora_a|lora_b|m)$")
 
 
@@ -105,6 +106,8 @@ def load_adapter_dir(path) -> tuple[dict[str, mx.array], AdapterSpec]:
                         f"or {PEFT_WEIGHTS} (PEFT)")
     if not weights:
         raise UserError(f"{path}: the adapter file holds no tensors")
+    if spec.targets == [lora.WHOLE_LAYERS] and any(_LAYER_TENSOR.search(name) is None for name in weights):
+        spec.targets = ["*"]  # tensors outside the layers: a whole model's (mlxft's, exported to mlx-lm's layout)
     if spec.fine_tune_type != "full":
         spec.layers = _check_lora_tensors(weights, spec, path)
     run_config = path / checkpoint.CONFIG_FILE

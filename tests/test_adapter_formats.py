@@ -260,6 +260,10 @@ def test_mismatched_adapters_are_refused_and_leave_the_model_as_it_was(llama_dir
     # The CLI says it in one line, exit code 2.
     assert export_main(["--adapter", str(tmp_path / "nowhere"), "--format", "peft", "--out", str(tmp_path / "o")]) == 2
     full = synthetic_run(runs_root, llama_dir, "full")
+    # A whole model's full fine-tune in mlx-lm's layout (embeddings too) is not mlx-lm's whole layers.
+    whole = export(full, "mlx-lm", tmp_path / "full-mlx-lm")
+    settings = adapters.run_settings(whole)
+    assert (settings["targets"], settings["num_layers"]) == (["default"], -1)
     with pytest.raises(UserError, match="full fine-tune"):
         export(full, "peft", tmp_path / "full-peft")
     assert not (tmp_path / "full-peft").exists()
