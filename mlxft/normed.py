@@ -97,14 +97,13 @@ def norm_input(x: mx.array) -> _Source | None:
 def lora_of_normed(lora: nn.Module, normed: mx.array, source: _Source) -> mx.array:
     """``lora(normed)`` for a plain LoRA layer, where ``normed`` is the norm output ``source``
     describes: the backward pass recomputes it rather than keeping it."""
-    from mlxft.fastmath import lora_gradients
+    from mlxft.fastmath import _lora, lora_gradients
 
-    linear, scale, dtype = lora.linear, lora.scale, normed.dtype
+    linear, scale = lora.linear, lora.scale
 
     @mx.custom_function
     def projected(normed, lora_a, lora_b):
-        low = normed @ lora_a.astype(dtype)
-        return linear(normed) + (scale * (low @ lora_b.astype(dtype))).astype(dtype)
+        return _lora(lora, normed, lora_a, lora_b)
 
     @projected.vjp
     def projected_vjp(primals, cotangent, output):
