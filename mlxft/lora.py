@@ -133,6 +133,21 @@ def plain_lora(module: nn.Module) -> bool:
             and {name for name, _ in tree_flatten(module.trainable_parameters())} <= {"lora_a", "lora_b"})
 
 
+def only_adapters_cast_per_call(model: nn.Module) -> bool:
+    """Whether every trainable parameter of ``model`` is the ``lora_a`` or ``lora_b`` of a LoRA
+    layer that casts it to its input's dtype at each call (:func:`compute_lora_in_input_dtype`):
+    then handing the layers the adapters already in that dtype computes the same thing."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    modules = dict(model.named_modules())
+    for name, _ in tree_flatten(model.trainable_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        module = modules.get(owner)
+        if leaf not in ("lora_a", "lora_b") or not isinstance(module, LoRALinear) or not computes_in_input_dtype(module):
+            return False
+    return True
+
+
 def compute_lora_in_input_dtype(model: nn.Module) -> None:
     """Make every mlx-lm ``LoRALinear`` of ``model`` compute in its input's dtype.
 

@@ -161,6 +161,22 @@ class FlatTrainables:
         return tree
 
 
+def _adapter_cast(model: nn.Module, layout: FlatTrainables | None):
+    """The half-precision dtype to hand float32 adapters to their layers in, or None.
+
+    Layers that cast their adapters to the input's dtype at every call (mlxft's LoRA) cost two
+    casts forward and two back per adapter: on an H200 a few hundred small kernels a step. Cast
+    as one vector, and differentiated in that dtype, the adapters compute the same values
+    with one cast each way."""
+    from mlxft import lora, models
+
+    if layout is None or models.compute_dtype(model) not in _HALF:
+        return None
+    if any(v.dtype != mx.float32 for _, v in tree_flatten(model.trainable_parameters())):
+        return None
+    return models.compute_dtype(model) if lora.only_adapters_cast_per_call(model) else None
+
+
 def build_step(
     model: nn.Module,
     optimizer: optim.Optimizer,
@@ -190,6 +206,7 @@ def build_step(
     else:
         optimizer.init(tree_map(_widen, params))
     _init_masters(optimizer, params, layout)
+    cast_to = _adapter_cast(model, layout)
 
     def summed(model, *batch_and_scale):
         *batch, loss_scale = batch_and_scale
@@ -199,7 +216,11 @@ def build_step(
         return mean * loss_scale, (mean * ntokens, ntokens)
 
     value_and_grad = nn.value_and_grad(model, summed)
-    state = [model.state, optimizer.state, mx.random.state]
+    # The vector the last update laid the trainables out in, whose views the model then holds:
+    # while it still holds them, the next update reads it instead of laying them out again.
+    handed = {"flat": layout.flatten(params)} if layout is not None else {}
+    handed_leaves: list[mx.array] = []  # the model's trainable arrays as that update left them
+    state = [model.state, optimizer.state, mx.random.state, handed]
     clip_to = max_grad_norm if max_grad_norm > 0 else float("inf")
 
     def mean_gradient(g, tokens):
@@ -230,9 +251,7 @@ def build_step(
                 lambda name, _: mx.where(finite, new[name], masters[name]), optimizer.state[MASTER_KEY])
         return norm, finite
 
-    def update_flat(grads, tokens):
-        # Read from the model each step, not kept as state: a resume or a user may replace them.
-        params = layout.flatten(model.trainable_parameters())
+    def update_flat(grads, tokens, params):
         grads = mean_gradient(grads, tokens)
         norm = mx.sqrt(grads.square().sum())
         finite = mx.isfinite(norm)
@@ -242,7 +261,9 @@ def build_step(
         master = optimizer.state.get(MASTER_KEY)
         current = params if master is None else _synced(master, params)
         new = optimizer.apply_gradients({FlatTrainables.KEY: grads}, {FlatTrainables.KEY: current})[FlatTrainables.KEY]
-        model.update(layout.unflatten(mx.where(finite, new.astype(params.dtype), params)))
+        kept = mx.where(finite, new.astype(params.dtype), params)
+        model.update(layout.unflatten(kept))
+        handed["flat"] = kept
         if master is not None:
             optimizer.state[MASTER_KEY] = mx.where(finite, new, current)
         if old_moments:
@@ -251,9 +272,18 @@ def build_step(
         return norm, finite
 
     @partial(mx.compile, inputs=state, outputs=state)
-    def compiled(batch, window, update, loss_scale):
+    def compiled(batch, window, update, loss_scale, intact):
+        if layout is not None and (update or cast_to is not None):
+            trainables = model.trainable_parameters()
+            flat_params = handed["flat"] if intact else layout.flatten(trainables)
+            if cast_to is not None:  # the layers get the adapters in the dtype they would cast them to
+                model.update(layout.unflatten(flat_params.astype(cast_to)))
         (_, (loss_sum, tokens)), grads = value_and_grad(model, *batch, loss_scale)
         if layout is not None:
+            if cast_to is not None:
+                model.update(trainables)
+            # Laid end to end before any cast: gradients of adapters cast per call arrive in the
+            # compute dtype, and the one conversion below widens them all.
             grads = layout.flatten(grads)
         # This micro-batch's summed-loss gradient, unscaled (one rounding to the working dtype).
         weight = tokens / loss_scale
@@ -266,14 +296,19 @@ def build_step(
             return loss_sum, tokens, grads, None, None
         if reduce is not None:  # data-parallel: the window's sums over every rank
             grads, loss_sum, tokens = reduce((grads, loss_sum, tokens))
-        norm, finite = (update_tree if layout is None else update_flat)(grads, tokens)
+        norm, finite = update_tree(grads, tokens) if layout is None else update_flat(grads, tokens, flat_params)
         return loss_sum, tokens, None, norm, finite
 
     unit_scale = mx.array(1.0)
 
     def step(batch, window, update: bool, loss_scale: mx.array | None = None):
         scale = unit_scale if loss_scale is None else loss_scale
-        loss_sum, tokens, grads, norm, applied = compiled(batch, window, update, scale)
+        # A resume or a user may have replaced the trainables since the last update.
+        leaves = [v for _, v in tree_flatten(model.trainable_parameters())] if layout is not None else []
+        intact = len(leaves) == len(handed_leaves) > 0 and all(a is b for a, b in zip(leaves, handed_leaves))
+        loss_sum, tokens, grads, norm, applied = compiled(batch, window, update, scale, intact)
+        if update and layout is not None:
+            handed_leaves[:] = [v for _, v in tree_flatten(model.trainable_parameters())]
         next_window = None if update else (grads, loss_sum, tokens)
         return StepResult(loss_sum, tokens, norm, applied), next_window
 
@@ -285,6 +320,7 @@ def build_step(
 
     step.state = state
     step.layout = layout
+    step.adapter_cast = cast_to
     step.compile_kernels = compile_kernels
     return step
 

@@ -391,3 +391,92 @@ def test_bf16_masters_resume_exactly_and_survive_skipped_steps(small_vocab_dir, 
         assert got_part.keys() == want_part.keys()
         for name, value in want_part.items():
             assert value.dtype == got_part[name].dtype and mx.array_equal(got_part[name], value).item(), name
+
+
+@pytest.fixture(scope="module")
+def small_vocab_lfm2_dir(tmp_path_factory):
+    from conftest import LFM2_CONFIG
+
+    return write_model(tmp_path_factory.mktemp("small-vocab-lfm2"), {**LFM2_CONFIG, "vocab_size": 2048})
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_adapters_cast_once_compute_what_each_layer_cast_computes(family, small_vocab_dir, small_vocab_lfm2_dir,
+                                                                  monkeypatch):
+    """A bf16 model's float32 adapters go to their layers as one bf16 vector and come back as
+    one: the same parameters and moments, bit for bit, as each layer casting its own, through
+    a window of two micro-batches and the update; the model keeps its float32 adapters."""
+    import mlxft.step
+
+    model_dir = small_vocab_dir if family == "llama" else small_vocab_lfm2_dir
+    rows = uneven_rows()
+
+    def run(cast_once: bool):
+        if not cast_once:
+            monkeypatch.setattr(mlxft.step, "_adapter_cast", lambda model, layout: None)
+        model, _, _, _ = models.load(str(model_dir), "bfloat16")
+        lora.apply(model, AdapterConfig(rank=4), seed=0)
+        mx.random.seed(1)
+        model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters()))
+        opt = optim.Adam(learning_rate=1e-2)
+        step = build_step(model, opt, loss_fn, max_grad_norm=1.0)
+        monkeypatch.undo()
+        assert (step.adapter_cast is not None and step.adapter_cast == mx.bfloat16) is cast_once
+        window = None
+        for i, part in enumerate([rows[:3], rows[3:]] * 2):
+            result, window = step(make_batch(part, 3, 4).arrays(), window, update=i % 2 == 1)
+            mx.eval(step.state, window)
+            assert {v.dtype for _, v in tree_flatten(model.trainable_parameters())} == {mx.float32}
+        state = dict(tree_flatten(optimizer_state(opt, step.layout)))
+        return dict(tree_flatten(model.trainable_parameters())), state, result.grad_norm.item()
+
+    cast_params, cast_state, cast_norm = run(True)
+    params, state, norm = run(False)
+    assert cast_norm == norm
+    for name, value in params.items():
+        assert mx.array_equal(cast_params[name], value).item(), name
+    assert cast_state.keys() == state.keys()
+    for name, value in state.items():
+        assert mx.array_equal(cast_state[name], value).item(), name
+
+
+def test_adapters_are_cast_once_only_where_layers_would_cast_them(small_vocab_dir):
+    """Float32 models, DoRA (which computes in float32) and full fine-tuning keep their own arithmetic."""
+    for dtype, finetune in (("float32", "lora"), ("bfloat16", "dora"), ("bfloat16", "full")):
+        model, _, _, _ = models.load(str(small_vocab_dir), dtype)
+        lora.apply(model, AdapterConfig(rank=4, finetune=finetune), seed=0)
+        assert build_step(model, optim.Adam(learning_rate=1e-2), loss_fn).adapter_cast is None, (dtype, finetune)
+
+
+def test_update_reads_the_model_trainables_when_replaced_between_steps(small_vocab_dir):
+    """The update reads the vector it last handed the model while the model still holds its
+    views; trainables replaced in between (a user's load, a resume) are what it reads instead,
+    and a model whose arrays are replaced by equal ones every step trains to the same bits."""
+    rows = uneven_rows()
+
+    def train(replace_each_step: bool, steps: int = 3):
+        model = lora_model(small_vocab_dir)
+        opt = optim.Adam(learning_rate=1e-2)
+        step = build_step(model, opt, loss_fn, max_grad_norm=1.0)
+        assert step.layout is not None
+        for _ in range(steps):
+            if replace_each_step:  # equal values in new arrays: the model no longer holds the handed views
+                model.update(tree_map(lambda p: p + 0, model.trainable_parameters()))
+            step(make_batch(rows, 6, 4).arrays(), None, True)
+            mx.eval(step.state)
+        return model, opt, step
+
+    model, _, _ = train(False)
+    replaced, _, _ = train(True)
+    for name, value in tree_flatten(replaced.trainable_parameters()):
+        assert mx.array_equal(dict(tree_flatten(model.trainable_parameters()))[name], value).item(), name
+
+    model, opt, step = train(False, steps=2)
+    mx.random.seed(7)
+    loaded = tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters())
+    model.update(loaded)
+    opt.learning_rate = 0.0  # an update that moves nothing: the model keeps what the update read
+    step(make_batch(rows, 6, 4).arrays(), None, True)
+    mx.eval(step.state)
+    for name, value in tree_flatten(model.trainable_parameters()):
+        assert mx.array_equal(dict(tree_flatten(loaded))[name], value).item(), name
