@@ -5,7 +5,9 @@ micro-batches divided by the window's total supervised-token count is exactly th
 of one batch holding all their tokens (mlx-lm averages per-batch means instead, which
 over-weights short batches). The update clips the global norm and is discarded, leaving
 weights and optimizer moments untouched, when that norm is not finite. Adapters' many small
-tensors go through that update as one vector (:class:`FlatTrainables`).
+tensors go through that update as one vector (:class:`FlatTrainables`); a half-precision
+model's layers get them as one cast of that vector, and the next update reads the vector
+back while the model still holds its views.
 
 Trainable parameters stored in half precision (bfloat16 or float16: full fine-tuning of a
 half-precision model) keep float32 master copies in the optimizer state (under

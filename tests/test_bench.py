@@ -118,3 +118,13 @@ def test_the_adapters_are_timed_against_the_frozen_stacks_forward_and_backward()
     value, grad = cost.frozen_step()(weights, None, x)
     assert grad.shape == x.shape
     assert value.item() == pytest.approx(cost.as_mlxft(weights, idle, x).item(), rel=1e-6)
+
+
+def test_the_profile_counts_busy_time_once_and_sorts_idle_gaps_by_length():
+    """Overlapping kernels (concurrent in a CUDA graph) count once; each gap falls in the
+    bucket of the largest bound it reaches."""
+    import profile_step
+
+    busy, gaps = profile_step.busy_and_gaps([(0, 10), (5, 12), (12, 15), (18, 20), (150, 160), (1300, 1301), (2, 4)])
+    assert busy == 15 + 2 + 10 + 1
+    assert gaps == {0: [3], 5: [], 20: [], 100: [130], 1000: [1140]}
