@@ -5,9 +5,8 @@ micro-batches divided by the window's total supervised-token count is exactly th
 of one batch holding all their tokens (mlx-lm averages per-batch means instead, which
 over-weights short batches). The update clips the global norm and is discarded, leaving
 weights and optimizer moments untouched, when that norm is not finite. Adapters' many small
-tensors go through that update as one vector (:class:`FlatTrainables`); a half-precision
-model's layers get them as one cast of that vector, and the next update reads the vector
-back while the model still holds its views.
+tensors go through that update as one vector (:class:`FlatTrainables`), and a half-precision
+model's layers get them as one cast of that vector.
 
 Trainable parameters stored in half precision (bfloat16 or float16: full fine-tuning of a
 half-precision model) keep float32 master copies in the optimizer state (under
@@ -218,11 +217,7 @@ def build_step(
         return mean * loss_scale, (mean * ntokens, ntokens)
 
     value_and_grad = nn.value_and_grad(model, summed)
-    # The vector the last update laid the trainables out in, whose views the model then holds:
-    # while it still holds them, the next update reads it instead of laying them out again.
-    handed = {"flat": layout.flatten(params)} if layout is not None else {}
-    handed_leaves: list[mx.array] = []  # the model's trainable arrays as that update left them
-    state = [model.state, optimizer.state, mx.random.state, handed]
+    state = [model.state, optimizer.state, mx.random.state]
     clip_to = max_grad_norm if max_grad_norm > 0 else float("inf")
 
     def mean_gradient(g, tokens):
@@ -263,9 +258,7 @@ def build_step(
         master = optimizer.state.get(MASTER_KEY)
         current = params if master is None else _synced(master, params)
         new = optimizer.apply_gradients({FlatTrainables.KEY: grads}, {FlatTrainables.KEY: current})[FlatTrainables.KEY]
-        kept = mx.where(finite, new.astype(params.dtype), params)
-        model.update(layout.unflatten(kept))
-        handed["flat"] = kept
+        model.update(layout.unflatten(mx.where(finite, new.astype(params.dtype), params)))
         if master is not None:
             optimizer.state[MASTER_KEY] = mx.where(finite, new, current)
         if old_moments:
@@ -274,10 +267,12 @@ def build_step(
         return norm, finite
 
     @partial(mx.compile, inputs=state, outputs=state)
-    def compiled(batch, window, update, loss_scale, intact):
+    def compiled(batch, window, update, loss_scale):
         if layout is not None and (update or cast_to is not None):
+            # Read from the model each step, not kept as state: a resume or a user may replace
+            # them, or write into one (``a[...] = v`` keeps the array object, so identity is no test).
             trainables = model.trainable_parameters()
-            flat_params = handed["flat"] if intact else layout.flatten(trainables)
+            flat_params = layout.flatten(trainables)
             if cast_to is not None:  # the layers get the adapters in the dtype they would cast them to
                 model.update(layout.unflatten(flat_params.astype(cast_to)))
         (_, (loss_sum, tokens)), grads = value_and_grad(model, *batch, loss_scale)
@@ -305,12 +300,7 @@ def build_step(
 
     def step(batch, window, update: bool, loss_scale: mx.array | None = None):
         scale = unit_scale if loss_scale is None else loss_scale
-        # A resume or a user may have replaced the trainables since the last update.
-        leaves = [v for _, v in tree_flatten(model.trainable_parameters())] if layout is not None else []
-        intact = len(leaves) == len(handed_leaves) > 0 and all(a is b for a, b in zip(leaves, handed_leaves))
-        loss_sum, tokens, grads, norm, applied = compiled(batch, window, update, scale, intact)
-        if update and layout is not None:
-            handed_leaves[:] = [v for _, v in tree_flatten(model.trainable_parameters())]
+        loss_sum, tokens, grads, norm, applied = compiled(batch, window, update, scale)
         next_window = None if update else (grads, loss_sum, tokens)
         return StepResult(loss_sum, tokens, norm, applied), next_window
 
