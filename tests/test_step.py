@@ -400,13 +400,17 @@ def small_vocab_lfm2_dir(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("small-vocab-lfm2"), {**LFM2_CONFIG, "vocab_size": 2048})
 
 
-@pytest.mark.parametrize("family", ["llama", "lfm2"])
-def test_adapters_cast_once_compute_what_each_layer_cast_computes(family, small_vocab_dir, small_vocab_lfm2_dir,
-                                                                  monkeypatch):
+@pytest.mark.parametrize("family, trainer_paths", [("llama", False), ("lfm2", False), ("lfm2", True)],
+                         ids=["llama", "lfm2", "lfm2-recompute-mlp-normed-checkpointed"])
+def test_adapters_cast_once_compute_what_each_layer_cast_computes(family, trainer_paths, small_vocab_dir,
+                                                                  small_vocab_lfm2_dir, monkeypatch):
     """A bf16 model's float32 adapters go to their layers as one bf16 vector and come back as
     one: the same parameters and moments, bit for bit, as each layer casting its own, through
-    a window of two micro-batches and the update; the model keeps its float32 adapters."""
+    a window of two micro-batches and the update; the model keeps its float32 adapters. Also
+    through the layers' own backward passes the trainer installs (the MLP computed again, the
+    norms recorded, a layer checkpointed)."""
     import mlxft.step
+    from mlxft import fastmath, normed
 
     model_dir = small_vocab_dir if family == "llama" else small_vocab_lfm2_dir
     rows = uneven_rows()
@@ -418,6 +422,9 @@ def test_adapters_cast_once_compute_what_each_layer_cast_computes(family, small_
         lora.apply(model, AdapterConfig(rank=4), seed=0)
         mx.random.seed(1)
         model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters()))
+        if trainer_paths:
+            assert fastmath.enable(model, recompute_mlp=True) and normed.enable(model)
+            models.checkpoint_layers(model, 1, False)
         opt = optim.Adam(learning_rate=1e-2)
         step = build_step(model, opt, loss_fn, max_grad_norm=1.0)
         monkeypatch.undo()
