@@ -171,11 +171,12 @@ def _adapter_cast(model: nn.Module, layout: FlatTrainables | None):
     with one cast each way."""
     from mlxft import lora, models
 
-    if layout is None or models.compute_dtype(model) not in _HALF:
+    dtype = models.compute_dtype(model)
+    if layout is None or dtype not in _HALF:
         return None
     if any(v.dtype != mx.float32 for _, v in tree_flatten(model.trainable_parameters())):
         return None
-    return models.compute_dtype(model) if lora.only_adapters_cast_per_call(model) else None
+    return dtype if lora.only_adapters_cast_per_call(model) else None
 
 
 def build_step(

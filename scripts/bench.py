@@ -124,6 +124,13 @@ def dataset_rows(data: str, model: str) -> tuple[list[Example], list[Example]]:
     return split[0], split[1]
 
 
+def probe_sizes(vocab: int) -> tuple[list[Example], dict[str, list[Example]]]:
+    """The probe scripts' rows: the benchmark's 128 chat rows, longest first, and three
+    micro-batches of 8 from them by length (``longest``, ``middle``: about 2,800 tokens, ``shortest``)."""
+    rows = sorted(synthetic_rows(128, vocab, "chat", 512, 0, 0), key=lambda r: -len(r.ids))
+    return rows, {"longest": rows[0:8], "middle": rows[60:68], "shortest": rows[120:128]}
+
+
 def probe_trainer(name: str, model, rows: list[Example], grad_checkpoint: bool, loss_chunk: int, batch_size: int,
                   targets: tuple[str, ...] = ("all",), **model_options):
     """mlxft's Trainer on in-memory chat rows, as the probe scripts build it (LoRA r8 on

@@ -68,16 +68,15 @@ def main() -> None:
     except ImportError:
         sys.exit("profile_step.py needs PyTorch with CUDA (pip install torch) for its profiler")
 
-    from bench import load_model, probe_trainer, synthetic_rows
+    from bench import load_model, probe_sizes, probe_trainer
     from mlxft.data import make_batch
 
     model, vocab = load_model(args.model, args.dtype)
-    rows = sorted(synthetic_rows(128, vocab, "chat", 512, 0, 0), key=lambda r: -len(r.ids))
+    rows, by_size = probe_sizes(vocab)
     trainer = probe_trainer(args.model, model, rows, args.grad_checkpoint, args.loss_chunk, 8,
                             recompute_mlp=args.recompute_mlp)
     step = trainer.step
-    chosen = {"longest": rows[0:8], "middle": rows[60:68], "shortest": rows[120:128]}[args.size]
-    batch = make_batch(chosen, 8, 32).arrays()
+    batch = make_batch(by_size[args.size], 8, 32).arrays()
     for _ in range(3):  # compile this shape, and reach the step the trainer repeats
         done, _ = step(batch, None, True)
         mx.eval(done.loss_sum, step.state)

@@ -41,12 +41,11 @@ def main() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from bench import ENVIRONMENT, load_model, probe_trainer, synthetic_rows
+    from bench import ENVIRONMENT, load_model, probe_sizes, probe_trainer
     from mlxft.data import Example, make_batch
 
     model, vocab = load_model(args.model, args.dtype)
-    rows = synthetic_rows(128, vocab, "chat", 512, 0, 0)
-    rows.sort(key=lambda r: -len(r.ids))
+    rows, by_size = probe_sizes(vocab)
     trainer = probe_trainer(args.model, model, rows, args.grad_checkpoint, 512 if args.grad_checkpoint else 0, 8,
                             targets=tuple(args.targets.split(",")), checkpoint_layers=args.checkpoint_layers,
                             checkpoint_keep_mlp=args.checkpoint_keep_mlp)
@@ -54,7 +53,7 @@ def main() -> None:
     result = {"args": vars(args), "device": str(mx.default_device()),
               "environment": {k: os.environ.get(k) for k in ENVIRONMENT}}
     tiny = [Example(r.ids[:32], r.mask[:32] | (np.arange(32) > 20)) for r in rows[:1]]
-    sizes = (("longest", rows[0:8], 8), ("middle", rows[60:68], 8), ("shortest", rows[120:128], 8), ("32 tokens", tiny, 1))
+    sizes = tuple((label, chosen, 8) for label, chosen in by_size.items()) + (("32 tokens", tiny, 1),)
     for label, chosen, batch_size in sizes:
         batch = make_batch(chosen, batch_size, 32).arrays()
         for _ in range(3):  # compile this shape
