@@ -131,6 +131,12 @@ def probe_sizes(vocab: int) -> tuple[list[Example], dict[str, list[Example]]]:
     return rows, {"longest": rows[0:8], "middle": rows[60:68], "shortest": rows[120:128]}
 
 
+def probe_epoch(rows: list[Example], batch_size: int = 8) -> list[list[Example]]:
+    """The micro-batches of ``rows`` that a benchmark run trains in its first epoch, in its order."""
+    lengths = np.array([len(r.ids) for r in rows])
+    return [[rows[i] for i in idx] for idx in epoch_batches(lengths, batch_size, 0, 0)]
+
+
 def probe_trainer(name: str, model, rows: list[Example], grad_checkpoint: bool, loss_chunk: int, batch_size: int,
                   targets: tuple[str, ...] = ("all",), **model_options):
     """mlxft's Trainer on in-memory chat rows, as the probe scripts build it (LoRA r8 on

@@ -2,12 +2,15 @@
 
     python scripts/profile_step.py --model config:lfm2-1.2b
     python scripts/profile_step.py --model config:lfm2-1.2b --size longest --recompute-mlp
+    python scripts/profile_step.py --model config:lfm2-1.2b --size epoch --steps 32
 
 CUDA only, and it needs PyTorch, whose profiler reads the CUDA driver's kernel records (CUPTI)
 for every kernel the process launches, MLX's included; mlxft itself does not depend on it.
 Builds mlxft's Trainer on the benchmark's synthetic chat rows (``scripts/bench.py``), compiles
 one micro-batch of the chosen size, then records 10 steps queued the way the trainer queues
-them. Prints per step: the wall time, the kernels launched, their summed time, the time at
+them. ``--size epoch`` takes instead the 16 micro-batches of the benchmark's first epoch, in its
+order, each compiled first, and records them in turn: what changing shapes from step to step
+costs, against one shape repeated. Prints per step: the wall time, the kernels launched, their summed time, the time at
 least one kernel ran (``busy``), the idle gaps between kernels by length, and the kernels that
 took the most time. Recording adds host time to every launch, so the wall time here is longer
 than without it; compare runs made with this script only.
@@ -49,8 +52,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="config:lfm2-1.2b", help="model dir, builtin:..., or config:NAME")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--size", choices=("longest", "middle", "shortest"), default="middle",
-                   help="which 8 of the 128 chat rows, by length (middle: about 2,800 tokens)")
+    p.add_argument("--size", choices=("longest", "middle", "shortest", "epoch"), default="middle",
+                   help="which 8 of the 128 chat rows, by length (middle: about 2,800 tokens), or the "
+                        "benchmark's first epoch of micro-batches in turn")
     p.add_argument("--grad-checkpoint", action="store_true")
     p.add_argument("--recompute-mlp", action="store_true")
     p.add_argument("--loss-chunk", type=int, default=0)
@@ -68,7 +72,7 @@ def main() -> None:
     except ImportError:
         sys.exit("profile_step.py needs PyTorch with CUDA (pip install torch) for its profiler")
 
-    from bench import load_model, probe_sizes, probe_trainer
+    from bench import load_model, probe_epoch, probe_sizes, probe_trainer
     from mlxft.data import make_batch
 
     model, vocab = load_model(args.model, args.dtype)
@@ -76,8 +80,9 @@ def main() -> None:
     trainer = probe_trainer(args.model, model, rows, args.grad_checkpoint, args.loss_chunk, 8,
                             recompute_mlp=args.recompute_mlp)
     step = trainer.step
-    batch = make_batch(by_size[args.size], 8, 32).arrays()
-    for _ in range(3):  # compile this shape, and reach the step the trainer repeats
+    chosen = probe_epoch(rows) if args.size == "epoch" else [by_size[args.size]]
+    batches = [make_batch(examples, 8, 32).arrays() for examples in chosen]
+    for batch in batches * 3 if len(batches) == 1 else batches * 2:  # compile each shape, reach the repeated step
         done, _ = step(batch, None, True)
         mx.eval(done.loss_sum, step.state)
     mx.synchronize()
@@ -85,8 +90,8 @@ def main() -> None:
     n = args.steps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         tic = time.perf_counter()
-        for _ in range(n):
-            done, _ = step(batch, None, True)
+        for i in range(n):
+            done, _ = step(batches[i % len(batches)], None, True)
             mx.async_eval(done.loss_sum, step.state)
         mx.eval(done.loss_sum)
         mx.synchronize()
@@ -95,7 +100,8 @@ def main() -> None:
     if not kernels:
         sys.exit("the profiler recorded no kernels: is MLX running on CUDA?")
     busy, gaps = busy_and_gaps([(s, e) for _, s, e in kernels])
-    print(f"{args.model} {args.size} ({batch[0].size} tokens), mlx {mx.__version__}, "
+    tokens = sum(batches[i % len(batches)][0].size for i in range(n)) / n
+    print(f"{args.model} {args.size} ({tokens:.0f} tokens a step), mlx {mx.__version__}, "
           f"peak {mx.get_peak_memory() / 1e9:.2f} GB; per step: wall {wall / n * 1e3:.2f} ms, "
           f"{len(kernels) / n:.0f} kernels, kernel time {sum(e - s for _, s, e in kernels) / n / 1e3:.2f} ms, "
           f"busy {busy / n / 1e3:.2f} ms, under 10 us: {sum(e - s < 10 for _, s, e in kernels) / n:.0f} kernels")

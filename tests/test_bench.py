@@ -128,3 +128,14 @@ def test_the_profile_counts_busy_time_once_and_sorts_idle_gaps_by_length():
     busy, gaps = profile_step.busy_and_gaps([(0, 10), (5, 12), (12, 15), (18, 20), (150, 160), (1300, 1301), (2, 4)])
     assert busy == 15 + 2 + 10 + 1
     assert gaps == {0: [3], 5: [], 20: [], 100: [130], 1000: [1140]}
+
+
+def test_the_profiled_epoch_is_the_benchmarks_first_epoch_of_mixed_shapes():
+    """``profile_step.py --size epoch`` steps through every chat row once, in micro-batches of
+    eight, whose padded widths change from step to step as in a benchmark run."""
+    rows, _ = bench.probe_sizes(1000)
+    epoch = bench.probe_epoch(rows)
+    assert sorted(id(r) for batch in epoch for r in batch) == sorted(id(r) for r in rows)
+    assert all(len(batch) == 8 for batch in epoch)
+    widths = [make_batch(batch, 8, 32).arrays()[0].shape[1] for batch in epoch]
+    assert len(set(widths)) > 8 and widths != sorted(widths) and widths != sorted(widths, reverse=True)
