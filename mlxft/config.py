@@ -63,9 +63,10 @@ class ModelConfig:
                "matmuls (no other recomputation). Llama and LFM2 families."
     )
     fit_memory: bool = _opt(
-        False, "When the memory estimate passes the memory limit (--memory-limit, or MLX's), recompute as few "
-               "more layers as bring it under: the --grad-checkpoint --checkpoint-layers N that the warning would "
-               "advise, applied before the first step and saved in the run's config. Needs train.memory_estimate."
+        False, "When the memory estimate passes the memory limit (--memory-limit, or MLX's), apply what the "
+               "warning would advise first: --recompute-mlp where it fits and checkpointing would take more than "
+               "half of the layers, else --grad-checkpoint --checkpoint-layers N with as few layers as bring it "
+               "under; applied before the first step and saved in the run's config. Needs train.memory_estimate."
     )
     loss_chunk: int = _opt(
         0, "Score supervised positions this many at a time. With a frozen output head (LoRA, DoRA) the "

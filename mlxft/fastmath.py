@@ -24,6 +24,7 @@ whole LoRA MLP one function that keeps only its input and computes gate and up a
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import mlx.core as mx
@@ -342,6 +343,47 @@ _MLP_CALLS = {(name, recompute): _swiglu_mlp(*parts.projections, recompute=recom
               for name, parts in models.LAYER_PARTS.items() for recompute in (False, True)}
 
 
+_MARKER = "_mlxft_fast_exp"
+
+
+def _switchable_mlp(layer: nn.Module, family: str) -> nn.Module | None:
+    """``layer``'s MLP where :func:`enable` gave it the call that keeps gate and up and its
+    projections are plain LoRA layers (what :func:`recomputed_mlp` takes); else None."""
+    parts = models.LAYER_PARTS.get(family)
+    mlp = layer.get(parts.mlp) if parts is not None else None
+    if mlp is None or not getattr(type(mlp), _MARKER, False) or type(mlp).__call__ is not _MLP_CALLS[family, False]:
+        return None
+    return mlp if all(plain_lora(mlp[name]) for name in parts.projections) else None
+
+
+@contextlib.contextmanager
+def mlp_recomputed(layer: nn.Module, family: str):
+    """Within: ``layer``'s MLP computes as under ``--recompute-mlp``, where it can (yields
+    whether it does); for the memory estimate to price that setting on a run without it."""
+    mlp = _switchable_mlp(layer, family)
+    if mlp is None:
+        yield False
+        return
+    type(mlp).__call__ = _MLP_CALLS[family, True]  # the instance's own class (models.override_call)
+    try:
+        yield True
+    finally:
+        type(mlp).__call__ = _MLP_CALLS[family, False]
+
+
+def recompute_mlps(model: nn.Module) -> bool:
+    """Switch ``model``'s MLPs to ``--recompute-mlp`` after :func:`enable` (``--fit-memory``);
+    returns whether any could."""
+    family = models.family(model)
+    switched = False
+    for layer in model.layers:
+        mlp = _switchable_mlp(layer, family)
+        if mlp is not None:
+            type(mlp).__call__ = _MLP_CALLS[family, True]
+            switched = True
+    return switched
+
+
 def enable(model: nn.Module, recompute_mlp: bool = False) -> bool:
     """Give a supported family's MLPs :func:`swiglu` (same weights, same function) and its
     attention the written-out softmax; returns whether it applied. The MLPs change per
@@ -356,5 +398,5 @@ def enable(model: nn.Module, recompute_mlp: bool = False) -> bool:
     if not hasattr(module.scaled_dot_product_attention, "mlxft_original"):
         module.scaled_dot_product_attention = _attention_for(module.scaled_dot_product_attention)
     for layer in model.layers:
-        models.override_call(layer[models.LAYER_PARTS[family].mlp], _MLP_CALLS[family, recompute_mlp], "_mlxft_fast_exp")
+        models.override_call(layer[models.LAYER_PARTS[family].mlp], _MLP_CALLS[family, recompute_mlp], _MARKER)
     return True

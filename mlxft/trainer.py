@@ -227,12 +227,19 @@ class Trainer:
             if self.estimate.total > limit and self.config.model.fit_memory:
                 self._fit_memory(limit)
             if self.estimate.total > limit:
-                info(f"warning: the estimate exceeds the memory limit of {limit / memory.GB:.1f} GB; "
+                info(f"warning: the estimate exceeds the memory limit of {limit / memory.GB:.2f} GB; "
                      + memory.advice(self.config, self.estimate, limit))
 
     def _fit_memory(self, limit: float) -> None:
-        """Recompute the fewest first layers that bring the estimate under ``limit`` (all when none
-        does), as the run's config then says (``--fit-memory``)."""
+        """Recompute the MLPs' gate and up projections or the fewest first layers that bring the
+        estimate under ``limit`` (all when none does), as the advice would put first, and as the
+        run's config then says (``--fit-memory``)."""
+        if memory.prefers_mlp_recomputation(self.config, self.estimate, limit) and fastmath.recompute_mlps(self.model):
+            self.config.model.recompute_mlp = True
+            self.estimate = self.estimate_memory()
+            self.reporter.info("fit memory: recomputing each MLP's gate and up projections (--recompute-mlp); "
+                               f"estimated peak memory: {self.estimate.describe()}")
+            return
         first = memory.layers_to_fit(self.config, self.estimate, limit)
         if first is None:
             return

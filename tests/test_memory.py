@@ -55,6 +55,7 @@ def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
         "model": {"model": str(model_dir), "dtype": "float32", "grad_checkpoint": train.pop("grad_checkpoint", False),
                   "checkpoint_layers": train.pop("checkpoint_layers", 0),
                   "checkpoint_keep_mlp": train.pop("checkpoint_keep_mlp", False),
+                  "recompute_mlp": train.pop("recompute_mlp", False),
                   "fit_memory": train.pop("fit_memory", False),
                   "loss_chunk": train.pop("loss_chunk", 0)},
         "data": {"data": "in-memory", "length_bucket": 32, "pack": train.pop("pack", False)},
@@ -174,6 +175,82 @@ def test_fit_memory_recomputes_the_layers_the_advice_names(wider_llama, tmp_path
     # The saved config recomputes those layers, and so fits again as it stands.
     saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())["model"]
     assert (saved["grad_checkpoint"], saved["checkpoint_layers"], saved["fit_memory"]) == (True, 2, True)
+
+
+def test_the_estimate_prices_recomputing_the_mlps(wider_model, tmp_path):
+    """What ``--recompute-mlp`` would come to, priced on a run without it: the estimate of the run
+    configured that way, and within a quarter of its measured peak."""
+    small = {"batch_size": 4, "longest": 128}
+    plain = trainer(wider_model, tmp_path / "a", **small, **STEADY_LOSS).estimate
+    assert len(plain.recompute_mlp_savings) == 4 and all(saving > 0 for saving in plain.recompute_mlp_savings)
+    priced = plain.total_recomputing_mlp()
+    assert plain.total_recomputing(4) < priced < plain.total
+    gc.collect()
+    mx.clear_cache()
+    configured = trainer(wider_model, tmp_path / "b", recompute_mlp=True, **small, **STEADY_LOSS)
+    assert not any(configured.estimate.recompute_mlp_savings)  # nothing more to price
+    assert configured.estimate.total == pytest.approx(priced, rel=0.05), (configured.estimate.describe(), priced / memory.GB)
+    configured.train()
+    assert 0.75 <= priced / measured_peak(configured) <= 1.25
+
+
+def test_advice_puts_mlp_recomputation_first_where_checkpointing_takes_most_layers():
+    """Eight layers that each keep 1 GB (0.6 of it the MLP's gate and up); each layer's or MLP's
+    backward pass holds 1 GB over what the layers keep."""
+    gb = memory.GB
+    estimate = memory.Estimate(weights=1 * gb, training_state=0, activations=9 * gb, loss=0,
+                               recompute_savings=(int(gb),) * 8, recompute_peaks=(int(gb),) * 8, transient=int(gb),
+                               recompute_mlp_savings=(int(0.6 * gb),) * 8, recompute_mlp_transient=int(gb))
+    assert estimate.total_recomputing_mlp() == pytest.approx(5.2 * gb)
+    config = RunConfig.from_dict({"model": {"model": "m"}})
+    # Checkpointing would need 5 of the 8 layers: recomputing gate and up comes first.
+    assert memory.advice(config, estimate, 5.5 * gb).startswith(
+        "lower memory with --recompute-mlp (estimated 5.20 GB), or --grad-checkpoint --checkpoint-layers 5 "
+        "(estimated 5.00 GB), or --batch-size")
+    assert memory.prefers_mlp_recomputation(config, estimate, 5.5 * gb)
+    # Three layers are enough: they come first, and the MLPs after them.
+    assert memory.advice(config, estimate, 7.5 * gb).startswith(
+        "lower memory with --grad-checkpoint --checkpoint-layers 3 (estimated 7.00 GB), or --recompute-mlp "
+        "(estimated 5.20 GB), or --batch-size")
+    # Not enough, already on, or not allowed beside --checkpoint-keep-mlp: not advised.
+    assert "--recompute-mlp" not in memory.advice(config, estimate, 4.5 * gb)
+    for model in ({"recompute_mlp": True}, {"grad_checkpoint": True, "checkpoint_keep_mlp": True}):
+        other = RunConfig.from_dict({"model": {"model": "m", **model}})
+        assert "--recompute-mlp" not in memory.advice(other, estimate, 5.5 * gb)
+    assert "--recompute-mlp" not in memory.advice(config, dataclasses.replace(estimate, recompute_mlp_savings=()),
+                                                  5.5 * gb)
+
+
+@pytest.fixture(scope="module")
+def wide_mlp_llama(tmp_path_factory) -> Path:
+    """MLPs eight times the hidden width, so that their gate and up are most of what a layer
+    keeps (as in the real models) and recomputing them saves more than two of the four layers."""
+    return write_model(tmp_path_factory.mktemp("llama"), {**LLAMA_CONFIG, **SIZES, "intermediate_size": 2048})
+
+
+def test_fit_memory_recomputes_the_mlps_where_the_advice_puts_that_first(wide_mlp_llama, tmp_path, capsys):
+    small = {"batch_size": 4, "longest": 128}
+    plain = trainer(wide_mlp_llama, tmp_path / "a", **small, **STEADY_LOSS).estimate
+    priced = plain.total_recomputing_mlp()
+    assert priced < plain.total_recomputing(2)
+    limit = (priced + plain.total_recomputing(2)) / 2  # three layers would be needed
+    before = mx.get_memory_limit()
+    try:
+        run = trainer(wide_mlp_llama, tmp_path / "b", memory_limit=limit / memory.GB, fit_memory=True,
+                      **small, **STEADY_LOSS)
+        assert run.config.model.recompute_mlp and not run.config.model.grad_checkpoint
+        assert not any(models.is_checkpointed(layer) for layer in run.model.layers)
+        assert run.estimate.total <= limit and run.estimate.total == pytest.approx(priced, rel=0.05)
+        out = capsys.readouterr().out
+        assert "fit memory: recomputing each MLP's gate and up projections (--recompute-mlp)" in out
+        assert "estimate exceeds the memory limit" not in out
+        run.train()
+    finally:
+        mx.set_memory_limit(before)
+        mx.set_cache_limit(before)
+    assert 0.75 <= run.estimate.total / measured_peak(run) <= 1.25
+    saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())["model"]
+    assert (saved["recompute_mlp"], saved["grad_checkpoint"], saved["fit_memory"]) == (True, False, True)
 
 
 @pytest.mark.skipif(memory.device_kind() == "Metal", reason="pacing is off on Metal")
