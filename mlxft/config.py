@@ -62,11 +62,15 @@ class ModelConfig:
                "where gate, up and down are LoRA layers: about half of what a layer keeps, for two of its "
                "matmuls (no other recomputation). Llama and LFM2 families."
     )
+    recompute_mlp_layers: int = _opt(
+        0, "With --recompute-mlp, only the first N layers' MLPs, and the rest keep gate and up at their "
+           "speed: between the two in memory and speed; 0 = every layer."
+    )
     fit_memory: bool = _opt(
         False, "When the memory estimate passes the memory limit (--memory-limit, or MLX's), apply what the "
                "warning would advise first: --recompute-mlp where it fits and checkpointing would take more than "
-               "half of the layers, else --grad-checkpoint --checkpoint-layers N with as few layers as bring it "
-               "under; applied before the first step and saved in the run's config. Needs train.memory_estimate."
+               "half of the layers (with --recompute-mlp-layers N, as few as bring it under), else "
+               "--grad-checkpoint --checkpoint-layers N with as few layers as bring it under; applied before the first step and saved in the run's config. Needs train.memory_estimate."
     )
     loss_chunk: int = _opt(
         0, "Score supervised positions this many at a time. With a frozen output head (LoRA, DoRA) the "
@@ -405,6 +409,9 @@ def validate(config: RunConfig) -> None:
          "applies to checkpointed runs; add --grad-checkpoint")
     need(not (config.model.recompute_mlp and config.model.checkpoint_keep_mlp), "model.recompute_mlp",
          "recomputes what --checkpoint-keep-mlp keeps; pass one of the two")
+    need(config.model.recompute_mlp_layers >= 0, "model.recompute_mlp_layers", "must be >= 0 (0 = every layer)")
+    need(not config.model.recompute_mlp_layers or config.model.recompute_mlp, "model.recompute_mlp_layers",
+         "applies to runs that recompute MLPs; add --recompute-mlp")
     need(config.model.loss_chunk >= 0, "model.loss_chunk", "must be >= 0 (0 = no chunking)")
     need(not config.model.fit_memory or config.train.memory_estimate, "model.fit_memory",
          "fits the run by the memory estimate; drop --no-memory-estimate")

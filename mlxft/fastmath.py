@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxft import models
+from mlxft.errors import UserError
 from mlxft.lora import plain_lora
 
 _LOG2E = 1.4426950408889634
@@ -356,6 +357,13 @@ def _switchable_mlp(layer: nn.Module, family: str) -> nn.Module | None:
     return mlp if all(plain_lora(mlp[name]) for name in parts.projections) else None
 
 
+def recomputes_mlp(layer: nn.Module, family: str) -> bool:
+    """Whether ``layer``'s MLP computes as under ``--recompute-mlp``."""
+    parts = models.LAYER_PARTS.get(family)
+    mlp = layer.get(parts.mlp) if parts is not None else None
+    return mlp is not None and type(mlp).__call__ is _MLP_CALLS[family, True]
+
+
 @contextlib.contextmanager
 def mlp_recomputed(layer: nn.Module, family: str):
     """Within: ``layer``'s MLP computes as under ``--recompute-mlp``, where it can (yields
@@ -371,12 +379,12 @@ def mlp_recomputed(layer: nn.Module, family: str):
         type(mlp).__call__ = _MLP_CALLS[family, False]
 
 
-def recompute_mlps(model: nn.Module) -> bool:
-    """Switch ``model``'s MLPs to ``--recompute-mlp`` after :func:`enable` (``--fit-memory``);
-    returns whether any could."""
+def recompute_mlps(model: nn.Module, first: int = 0) -> bool:
+    """Switch the MLPs of ``model``'s first ``first`` layers (0 = every layer) to ``--recompute-mlp``
+    after :func:`enable` (``--fit-memory``); returns whether any could."""
     family = models.family(model)
     switched = False
-    for layer in model.layers:
+    for layer in _first_layers(model, first):
         mlp = _switchable_mlp(layer, family)
         if mlp is not None:
             type(mlp).__call__ = _MLP_CALLS[family, True]
@@ -384,19 +392,28 @@ def recompute_mlps(model: nn.Module) -> bool:
     return switched
 
 
-def enable(model: nn.Module, recompute_mlp: bool = False) -> bool:
+def _first_layers(model: nn.Module, first: int) -> list:
+    layers = list(model.layers)
+    if first > len(layers):
+        raise UserError(f"config field model.recompute_mlp_layers: {first} exceeds the model's {len(layers)} layers")
+    return layers[:first or len(layers)]
+
+
+def enable(model: nn.Module, recompute_mlp: bool = False, first: int = 0) -> bool:
     """Give a supported family's MLPs :func:`swiglu` (same weights, same function) and its
     attention the written-out softmax; returns whether it applied. The MLPs change per
-    instance (``recompute_mlp``: :func:`recomputed_mlp` where its projections are plain LoRA
-    layers); attention is a function of the family's mlx-lm module, so it is replaced there
+    instance (``recompute_mlp``: :func:`recomputed_mlp` in the first ``first`` layers, 0 =
+    every layer, where its projections are plain LoRA layers); attention is a function of the family's mlx-lm module, so it is replaced there
     for the process, by one that takes :func:`attention` only for float32 training shapes
     on the CPU and mlx-lm's own path otherwise. Other families keep mlx-lm's code."""
     family = models.family(model)
-    if (family, recompute_mlp) not in _MLP_CALLS:
+    if (family, False) not in _MLP_CALLS:
         return False
+    recomputing = {id(layer) for layer in _first_layers(model, first)} if recompute_mlp else set()
     module = sys.modules[type(model).__module__]
     if not hasattr(module.scaled_dot_product_attention, "mlxft_original"):
         module.scaled_dot_product_attention = _attention_for(module.scaled_dot_product_attention)
     for layer in model.layers:
-        models.override_call(layer[models.LAYER_PARTS[family].mlp], _MLP_CALLS[family, recompute_mlp], _MARKER)
+        models.override_call(layer[models.LAYER_PARTS[family].mlp], _MLP_CALLS[family, id(layer) in recomputing],
+                             _MARKER)
     return True

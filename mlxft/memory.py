@@ -113,10 +113,23 @@ class Estimate:
         recomputed = self.recompute_peaks[:first]
         return self.total - sum(self.recompute_savings[:first]) + max(max(recomputed, default=0) - self.transient, 0)
 
-    def total_recomputing_mlp(self) -> float:
-        """The estimate with ``--recompute-mlp``: gate and up are no longer kept, and each MLP's
-        backward pass holds them again while it runs."""
-        return self.total - sum(self.recompute_mlp_savings) - self.transient + self.recompute_mlp_transient
+    def total_recomputing_mlp(self, first: int | None = None) -> float:
+        """The estimate with ``--recompute-mlp`` in the first ``first`` layers (None: every layer):
+        their gate and up are no longer kept, and each of their MLPs' backward pass holds them
+        again while it runs; a layer that still keeps them holds its own transient."""
+        layers = len(self.recompute_mlp_savings)
+        first = layers if first is None else first
+        transient = self.recompute_mlp_transient if first >= layers else max(self.transient,
+                                                                              self.recompute_mlp_transient)
+        return self.total - sum(self.recompute_mlp_savings[:first]) - self.transient + transient
+
+    def mlp_layers_to_recompute(self, limit: float) -> int | None:
+        """The fewest first layers whose MLPs to recompute (``--recompute-mlp-layers``) for the
+        estimate to fit ``limit`` bytes; None when even every layer's would not."""
+        for first in range(1, len(self.recompute_mlp_savings) + 1):
+            if self.recompute_mlp_savings[first - 1] and self.total_recomputing_mlp(first) <= limit:
+                return first
+        return None
 
     def layers_to_recompute(self, limit: float) -> int | None:
         """The fewest first layers to recompute (``--checkpoint-layers``) for the estimate to fit
@@ -255,15 +268,17 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
         layout = DocumentLayout(mx.broadcast_to(mx.arange(length), (batch, length)), mx.zeros((batch, length), mx.int32),
                                 dtype)
     x = mx.random.normal((batch, length, dim)).astype(dtype)
-    kinds: dict[tuple, list] = {}  # layers that run alike: the same kind, checkpointed or not, trained or not
+    # Layers that run alike: the same kind, checkpointed or not, MLP recomputed or not, trained or not.
+    kinds: dict[tuple, list] = {}
     for layer in layers:
         kind = "attention" if is_attention_layer(layer) else type(layer).__name__
         trained = bool(tree_flatten(layer.trainable_parameters()))
-        kinds.setdefault((kind, is_checkpointed(layer), trained), []).append(layer)
+        kinds.setdefault((kind, is_checkpointed(layer), fastmath.recomputes_mlp(layer, family(model)), trained),
+                         []).append(layer)
     activations, transient, mlp_transient = 0, 0, 0
     savings, peaks = {}, {}  # id(layer) -> what recomputing it would save, and hold while it runs
     mlp_savings = {}  # id(layer) -> what recomputing its MLP's gate and up would save
-    for (_, checkpointed, trained), members in kinds.items():
+    for (_, checkpointed, _, trained), members in kinds.items():
         if not trained:
             # --num-layers N trains the last N: the layers before them lie on no path from a
             # trainable parameter to the loss, so the backward pass skips them and their
@@ -349,12 +364,31 @@ def layers_to_fit(config, estimate: Estimate | None, limit: float | None) -> int
 
 
 def mlp_recomputation_fits(config, estimate: Estimate | None, limit: float | None) -> bool:
-    """Whether ``--recompute-mlp`` alone would bring ``estimate`` under ``limit``: a run over it that
-    does not recompute its MLPs yet, whose estimate priced that setting."""
+    """Whether recomputing the MLPs' gate and up (``--recompute-mlp``) in more layers would bring
+    ``estimate`` under ``limit``: a run over it with MLPs left that keep them, whose estimate
+    priced that setting."""
     model = config.model
-    return (estimate is not None and limit is not None and estimate.total > limit and not model.recompute_mlp
+    return (estimate is not None and limit is not None and estimate.total > limit
             and not model.checkpoint_keep_mlp and any(estimate.recompute_mlp_savings)
             and estimate.total_recomputing_mlp() <= limit)
+
+
+def mlp_layers_to_fit(config, estimate: Estimate | None, limit: float | None) -> int | None:
+    """How many first layers' MLPs the run should recompute for ``estimate`` to fit ``limit``:
+    the fewest that do, counted from the first layer; None where :func:`mlp_recomputation_fits`
+    says no."""
+    return estimate.mlp_layers_to_recompute(limit) if mlp_recomputation_fits(config, estimate, limit) else None
+
+
+def _mlp_hint(config, estimate: Estimate, first: int) -> str:
+    """``first`` from :func:`mlp_layers_to_fit` as flags, with the estimate they give."""
+    every = first >= len(estimate.recompute_mlp_savings)
+    flags = [] if config.model.recompute_mlp else ["--recompute-mlp"]
+    if not every:
+        flags.append(f"--recompute-mlp-layers {first}")
+    elif config.model.recompute_mlp:
+        flags.append("--recompute-mlp-layers 0")
+    return f"{' '.join(flags)} (estimated {estimate.total_recomputing_mlp(first) / GB:.2f} GB)"
 
 
 def prefers_mlp_recomputation(config, estimate: Estimate | None, limit: float | None) -> bool:
@@ -386,14 +420,15 @@ def _recompute_hint(config, estimate: Estimate | None, limit: float | None) -> s
 def advice(config, estimate: Estimate | None = None, limit: float | None = None) -> str:
     """The settings that bring a run's memory down, most effective first. Given the run's
     ``estimate`` and the ``limit`` it passed, recomputation is advised for as few layers as fit
-    (the rest keep their activations and their speed), and ``--recompute-mlp`` where it fits,
-    first when checkpointing would take more than half of the layers."""
+    (the rest keep their activations and their speed), and ``--recompute-mlp`` for as few
+    layers' MLPs as fit, first when checkpointing would take more than half of the layers."""
     hints = []
     recompute = _recompute_hint(config, estimate, limit)
     if recompute:
         hints.append(recompute)
-    if mlp_recomputation_fits(config, estimate, limit):
-        mlp = f"--recompute-mlp (estimated {estimate.total_recomputing_mlp() / GB:.2f} GB)"
+    mlp_layers = mlp_layers_to_fit(config, estimate, limit)
+    if mlp_layers is not None:
+        mlp = _mlp_hint(config, estimate, mlp_layers)
         hints.insert(0 if prefers_mlp_recomputation(config, estimate, limit) else len(hints), mlp)
     hints.append(f"--batch-size {max(config.train.batch_size // 2, 1)} with --grad-accum-steps "
                  f"{config.train.grad_accum_steps * 2} (same effective batch)")

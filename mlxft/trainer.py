@@ -137,7 +137,7 @@ class Trainer:
             self.targets = lora.apply(model, config.adapter, t.seed)
         if config.data.pack:
             packing.enable(model)
-        fastmath.enable(model, config.model.recompute_mlp)
+        fastmath.enable(model, config.model.recompute_mlp, config.model.recompute_mlp_layers)
         normed.enable(model)
         if config.model.grad_checkpoint:
             models.checkpoint_layers(model, config.model.checkpoint_layers, config.model.checkpoint_keep_mlp)
@@ -231,21 +231,30 @@ class Trainer:
                      + memory.advice(self.config, self.estimate, limit))
 
     def _fit_memory(self, limit: float) -> None:
-        """Recompute the MLPs' gate and up projections or the fewest first layers that bring the
-        estimate under ``limit`` (all when none does), as the advice would put first, and as the
-        run's config then says (``--fit-memory``)."""
-        if memory.prefers_mlp_recomputation(self.config, self.estimate, limit) and fastmath.recompute_mlps(self.model):
-            self.config.model.recompute_mlp = True
-            self.estimate = self.estimate_memory()
-            self.reporter.info("fit memory: recomputing each MLP's gate and up projections (--recompute-mlp); "
-                               f"estimated peak memory: {self.estimate.describe()}")
-            return
+        """Recompute the MLPs' gate and up projections in, or else the whole of, the fewest first
+        layers that bring the estimate under ``limit`` (every layer when none does), as the advice
+        would put first, and as the run's config then says (``--fit-memory``)."""
+        m, layers = self.config.model, len(self.estimate.recompute_savings)
+        if memory.prefers_mlp_recomputation(self.config, self.estimate, limit):
+            # The fewest MLPs can price within the probes' noise of the limit: where the fitted
+            # run's own estimate still passes it, it prices the next few.
+            first = memory.mlp_layers_to_fit(self.config, self.estimate, limit)
+            while first is not None:
+                count = 0 if first >= layers else first
+                if not fastmath.recompute_mlps(self.model, count):
+                    break
+                m.recompute_mlp, m.recompute_mlp_layers = True, count
+                self.estimate = self.estimate_memory()
+                self.reporter.info(f"fit memory: recomputing the MLPs' gate and up projections in the first {first} "
+                                   f"of {layers} layers (--recompute-mlp --recompute-mlp-layers {count}); "
+                                   f"estimated peak memory: {self.estimate.describe()}")
+                first = memory.mlp_layers_to_fit(self.config, self.estimate, limit)
+            if m.recompute_mlp:
+                return
         first = memory.layers_to_fit(self.config, self.estimate, limit)
         if first is None:
             return
-        layers = len(self.estimate.recompute_savings)
         count = 0 if first >= layers else first
-        m = self.config.model
         models.checkpoint_layers(self.model, count)
         m.grad_checkpoint, m.checkpoint_layers = True, count
         self.estimate = self.estimate_memory()

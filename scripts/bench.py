@@ -243,8 +243,8 @@ def run_mlxft(args, rows, val_rows):
         config = RunConfig.from_dict({
             "model": {"model": args.model, "grad_checkpoint": args.grad_checkpoint,
                       "checkpoint_layers": args.checkpoint_layers, "checkpoint_keep_mlp": args.checkpoint_keep_mlp,
-                      "recompute_mlp": args.recompute_mlp,
-                      "loss_chunk": args.loss_chunk},
+                      "recompute_mlp": args.recompute_mlp, "recompute_mlp_layers": args.recompute_mlp_layers,
+                      "fit_memory": args.fit_memory, "loss_chunk": args.loss_chunk},
             "data": {"data": "in-memory", "length_bucket": 32, "max_seq_length": args.max_len + 1, "pack": args.pack},
             "adapter": {"targets": ["all"], "rank": args.rank, "alpha": 2.0 * args.rank},
             "optim": {"optimizer": "adam", "learning_rate": args.lr, "schedule": "constant", "max_grad_norm": 0.0},
@@ -274,7 +274,10 @@ def run_mlxft(args, rows, val_rows):
               "val_loss": common_val_loss(trainer.model, val_rows, args.batch_size), "wall_s": wall,
               "estimated_peak_memory_gb": trainer.estimate.total / 1e9,
               "estimate_gb": {k: getattr(trainer.estimate, k) / 1e9 for k in ("weights", "training_state", "activations", "loss")},
-              "graph_mb": os.environ.get("MLX_MAX_MB_PER_BUFFER")}  # the trainer may lower mlxft's own cap
+              "graph_mb": os.environ.get("MLX_MAX_MB_PER_BUFFER"),  # the trainer may lower mlxft's own cap
+              # What the run recomputed, as --fit-memory may have chosen it.
+              "recomputation": {k: getattr(trainer.config.model, k) for k in
+                                ("grad_checkpoint", "checkpoint_layers", "recompute_mlp", "recompute_mlp_layers")}}
     del trainer, model
     return result
 
@@ -328,6 +331,9 @@ def main() -> None:
     p.add_argument("--checkpoint-layers", type=int, default=0, help="with --grad-checkpoint, only the first N layers")
     p.add_argument("--checkpoint-keep-mlp", action="store_true", help="with --grad-checkpoint, keep the MLP's gate and up projections")
     p.add_argument("--recompute-mlp", action="store_true", help="mlxft recomputes each MLP's gate and up projections")
+    p.add_argument("--recompute-mlp-layers", type=int, default=0, help="with --recompute-mlp, only the first N layers' MLPs")
+    p.add_argument("--fit-memory", action="store_true",
+                   help="mlxft recomputes as little as brings its estimate under --memory-limit")
     p.add_argument("--pack", action="store_true", help="mlxft packs each micro-batch's rows (same rows, same loss)")
     p.add_argument("--lora-float32", action="store_true", help="mlxft computes LoRA in float32 as mlx-lm does")
     p.add_argument("--loss-chunk", type=int, default=0, help="mlxft scores supervised positions in recomputed chunks")

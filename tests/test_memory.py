@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import LFM2_CONFIG, LLAMA_CONFIG, write_model
-from mlxft import RunConfig, _gpu, lora, memory, models
+from mlxft import RunConfig, _gpu, fastmath, lora, memory, models
 from mlxft.config import AdapterConfig
 from mlxft.data import Dataset, Example
 from mlxft.trainer import Trainer, TrainingStopped
@@ -56,6 +56,7 @@ def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
                   "checkpoint_layers": train.pop("checkpoint_layers", 0),
                   "checkpoint_keep_mlp": train.pop("checkpoint_keep_mlp", False),
                   "recompute_mlp": train.pop("recompute_mlp", False),
+                  "recompute_mlp_layers": train.pop("recompute_mlp_layers", 0),
                   "fit_memory": train.pop("fit_memory", False),
                   "loss_chunk": train.pop("loss_chunk", 0)},
         "data": {"data": "in-memory", "length_bucket": 32, "pack": train.pop("pack", False)},
@@ -208,41 +209,61 @@ def test_advice_puts_mlp_recomputation_first_where_checkpointing_takes_most_laye
         "lower memory with --recompute-mlp (estimated 5.20 GB), or --grad-checkpoint --checkpoint-layers 5 "
         "(estimated 5.00 GB), or --batch-size")
     assert memory.prefers_mlp_recomputation(config, estimate, 5.5 * gb)
-    # Three layers are enough: they come first, and the MLPs after them.
+    # Seven of the eight MLPs are enough: only theirs are recomputed.
+    assert memory.advice(config, estimate, 5.9 * gb).startswith(
+        "lower memory with --recompute-mlp --recompute-mlp-layers 7 (estimated 5.80 GB), or --grad-checkpoint "
+        "--checkpoint-layers 5 (estimated 5.00 GB), or --batch-size")
+    # Three layers are enough: they come first, and the fewest MLPs (five) after them.
     assert memory.advice(config, estimate, 7.5 * gb).startswith(
         "lower memory with --grad-checkpoint --checkpoint-layers 3 (estimated 7.00 GB), or --recompute-mlp "
-        "(estimated 5.20 GB), or --batch-size")
+        "--recompute-mlp-layers 5 (estimated 7.00 GB), or --batch-size")
+    # A run that recomputes the first five MLPs already is told how many more.
+    partly = RunConfig.from_dict({"model": {"model": "m", "recompute_mlp": True, "recompute_mlp_layers": 5}})
+    rest = dataclasses.replace(estimate, activations=6 * gb, recompute_mlp_savings=(0,) * 5 + (int(0.6 * gb),) * 3)
+    assert rest.total_recomputing_mlp() == pytest.approx(5.2 * gb)
+    assert "--recompute-mlp-layers 7 (estimated 5.80 GB)" in memory.advice(partly, rest, 6 * gb)
+    assert "--recompute-mlp-layers 0 (estimated 5.20 GB)" in memory.advice(partly, rest, 5.3 * gb)
     # Not enough, already on, or not allowed beside --checkpoint-keep-mlp: not advised.
     assert "--recompute-mlp" not in memory.advice(config, estimate, 4.5 * gb)
-    for model in ({"recompute_mlp": True}, {"grad_checkpoint": True, "checkpoint_keep_mlp": True}):
-        other = RunConfig.from_dict({"model": {"model": "m", **model}})
-        assert "--recompute-mlp" not in memory.advice(other, estimate, 5.5 * gb)
+    every = dataclasses.replace(estimate, activations=4.2 * gb, recompute_mlp_savings=(0,) * 8)
+    assert "--recompute-mlp" not in memory.advice(RunConfig.from_dict({"model": {"model": "m", "recompute_mlp": True}}),
+                                                  every, 4 * gb)
+    keep = RunConfig.from_dict({"model": {"model": "m", "grad_checkpoint": True, "checkpoint_keep_mlp": True}})
+    assert "--recompute-mlp" not in memory.advice(keep, estimate, 5.5 * gb)
     assert "--recompute-mlp" not in memory.advice(config, dataclasses.replace(estimate, recompute_mlp_savings=()),
                                                   5.5 * gb)
 
 
 @pytest.fixture(scope="module")
 def wide_mlp_llama(tmp_path_factory) -> Path:
-    """MLPs eight times the hidden width, so that their gate and up are most of what a layer
-    keeps (as in the real models) and recomputing them saves more than two of the four layers."""
-    return write_model(tmp_path_factory.mktemp("llama"), {**LLAMA_CONFIG, **SIZES, "intermediate_size": 2048})
+    """Eight layers with MLPs sixteen times the hidden width, so that their gate and up are most
+    of what a layer keeps (as in the real models, and more), and recomputing seven MLPs saves
+    more than checkpointing four whole layers."""
+    return write_model(tmp_path_factory.mktemp("llama"), {**LLAMA_CONFIG, **SIZES, "intermediate_size": 4096,
+                                                          "num_hidden_layers": 8, "layer_types": ["full_attention"] * 8})
 
 
-def test_fit_memory_recomputes_the_mlps_where_the_advice_puts_that_first(wide_mlp_llama, tmp_path, capsys):
+def test_fit_memory_recomputes_the_fewest_mlps_where_the_advice_puts_that_first(wide_mlp_llama, tmp_path, capsys):
     small = {"batch_size": 4, "longest": 128}
     plain = trainer(wide_mlp_llama, tmp_path / "a", **small, **STEADY_LOSS).estimate
-    priced = plain.total_recomputing_mlp()
-    assert priced < plain.total_recomputing(2)
-    limit = (priced + plain.total_recomputing(2)) / 2  # three layers would be needed
+    priced = plain.total_recomputing_mlp(7)
+    assert plain.total_recomputing_mlp() < priced < plain.total_recomputing_mlp(6)
+    limit = priced * 1.001
+    assert plain.total_recomputing(4) > limit  # checkpointing would need more than half of the layers
     before = mx.get_memory_limit()
     try:
         run = trainer(wide_mlp_llama, tmp_path / "b", memory_limit=limit / memory.GB, fit_memory=True,
                       **small, **STEADY_LOSS)
-        assert run.config.model.recompute_mlp and not run.config.model.grad_checkpoint
+        assert run.config.model.recompute_mlp and run.config.model.recompute_mlp_layers == 7
+        assert not run.config.model.grad_checkpoint
         assert not any(models.is_checkpointed(layer) for layer in run.model.layers)
+        family = models.family(run.model)
+        assert [fastmath.recomputes_mlp(layer, family) for layer in run.model.layers] == [True] * 7 + [False]
+        # The fitted run's own estimate: what the plain run priced.
         assert run.estimate.total <= limit and run.estimate.total == pytest.approx(priced, rel=0.05)
         out = capsys.readouterr().out
-        assert "fit memory: recomputing each MLP's gate and up projections (--recompute-mlp)" in out
+        assert ("fit memory: recomputing the MLPs' gate and up projections in the first 7 of 8 layers "
+                "(--recompute-mlp --recompute-mlp-layers 7)") in out
         assert "estimate exceeds the memory limit" not in out
         run.train()
     finally:
@@ -250,7 +271,8 @@ def test_fit_memory_recomputes_the_mlps_where_the_advice_puts_that_first(wide_ml
         mx.set_cache_limit(before)
     assert 0.75 <= run.estimate.total / measured_peak(run) <= 1.25
     saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())["model"]
-    assert (saved["recompute_mlp"], saved["grad_checkpoint"], saved["fit_memory"]) == (True, False, True)
+    assert (saved["recompute_mlp"], saved["recompute_mlp_layers"], saved["grad_checkpoint"], saved["fit_memory"]) \
+        == (True, 7, False, True)
 
 
 @pytest.mark.skipif(memory.device_kind() == "Metal", reason="pacing is off on Metal")

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from mlxft import RunConfig, fastmath, lora, memory, models, normed
-from mlxft.config import AdapterConfig
+from mlxft.config import AdapterConfig, validate
 from mlxft.data import Dataset, Example, make_batch
+from mlxft.errors import UserError
 from mlxft.trainer import Trainer
 from tests.test_loss import _rows, assert_same_loss_and_gradients
 from tests.test_normed import _loss_and_grads
@@ -74,18 +75,31 @@ def test_what_is_not_three_plain_lora_projections_keeps_the_plain_mlp(llama_dir)
 
 
 def test_a_run_with_recompute_mlp_trains_as_one_without(llama_dir, tmp_path):
+    """Every layer's MLP recomputed, or the first layer's alone (``--recompute-mlp-layers 1``)."""
     rows = [Example(np.arange(10 + i, 40 + i, dtype=np.int32), np.arange(30) >= 10) for i in range(4)]
     losses = []
-    for recompute in (False, True):
+    for recompute, first in ((False, 0), (True, 0), (True, 1)):
         config = RunConfig.from_dict({
-            "model": {"model": str(llama_dir), "dtype": "float32", "recompute_mlp": recompute},
+            "model": {"model": str(llama_dir), "dtype": "float32", "recompute_mlp": recompute,
+                      "recompute_mlp_layers": first},
             "data": {"data": "in-memory"},
-            "train": {"output_dir": str(tmp_path / str(recompute)), "batch_size": 2, "max_steps": 3, "log_every": 1},
+            "train": {"output_dir": str(tmp_path / f"{recompute}-{first}"), "batch_size": 2, "max_steps": 3,
+                      "log_every": 1},
         })
         trainer = Trainer(config, datasets=(Dataset(Path("rows"), rows, "completion"), None))
         with pytest.MonkeyPatch.context() as patch:
             taken = _counting_recomputed_mlp(patch)
             result = trainer.train()
-        assert bool(taken) == recompute
+        gates = [layer.mlp.gate_proj for layer in trainer.model.layers]
+        expected = gates[:first or len(gates)] if recompute else []
+        assert {id(gate) for gate in taken} == {id(gate) for gate in expected}
         losses.append(result.train_loss)
-    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5) and losses[2] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_recompute_mlp_layers_needs_recompute_mlp_and_no_more_than_the_model_has(llama_dir, tmp_path):
+    with pytest.raises(UserError, match="model.recompute_mlp_layers: applies to runs that recompute MLPs"):
+        validate(RunConfig.from_dict({"model": {"model": "m", "recompute_mlp_layers": 2}, "data": {"data": "d"}}))
+    model = _model(llama_dir, False, False)
+    with pytest.raises(UserError, match="model.recompute_mlp_layers: 99 exceeds the model's"):
+        fastmath.enable(model, True, 99)
