@@ -184,10 +184,11 @@ class TrainConfig:
     )
     cache_limit: float = _opt(-1.0, "MLX's allocator-cache limit in GB; -1 = MLX's default.")
     pace_memory: bool = _opt(
-        True, "Without --memory-limit, on the CPU and CUDA: train under a memory limit just above the paced "
-              "estimate, so MLX waits instead of queueing the loss's chunks far ahead of the one it computes "
-              "(SmolLM2-135M chat on the CPU: 1.78 -> 1.63 GB at the same speed); raised if a step needs more. "
-              "Metal keeps its limit (unmeasured there).",
+        True, "On the CPU and CUDA: train under a memory limit just above the paced estimate (where that is "
+              "below --memory-limit), so MLX waits instead of queueing the loss's chunks far ahead of the one it "
+              "computes (SmolLM2-135M chat on the CPU: 1.78 -> 1.63 GB at the same speed); raised if a step needs "
+              "more, up to --memory-limit. A --memory-limit paces the same way at its own value, so the paced "
+              "estimate is the one compared with it. Metal keeps its limit (unmeasured there).",
     )
     clear_cache_above: float = _opt(
         -1.0, "Return the allocator cache to the system after each step once it holds more than this many GB; "

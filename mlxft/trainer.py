@@ -235,32 +235,28 @@ class Trainer:
         layers that bring the estimate under ``limit`` (every layer when none does), as the advice
         would put first, and as the run's config then says (``--fit-memory``)."""
         m, layers = self.config.model, len(self.estimate.recompute_savings)
-        if memory.prefers_mlp_recomputation(self.config, self.estimate, limit):
-            # The fewest MLPs can price within the probes' noise of the limit: where the fitted
-            # run's own estimate still passes it, it prices the next few.
-            first = memory.mlp_layers_to_fit(self.config, self.estimate, limit)
-            while first is not None:
-                count = 0 if first >= layers else first
+        mlps = memory.prefers_mlp_recomputation(self.config, self.estimate, limit)
+        fewest = memory.mlp_layers_to_fit if mlps else memory.layers_to_fit
+        first = fewest(self.config, self.estimate, limit)
+        # The fewest layers can price within the probes' noise of the limit: where the fitted
+        # run's own estimate still passes it, that estimate prices the next ones.
+        while first is not None:
+            count = 0 if first >= layers else first
+            if mlps:
                 if not fastmath.recompute_mlps(self.model, count):
-                    break
+                    return
                 m.recompute_mlp, m.recompute_mlp_layers = True, count
-                self.estimate = self.estimate_memory()
-                self.reporter.info(f"fit memory: recomputing the MLPs' gate and up projections in the first {first} "
-                                   f"of {layers} layers (--recompute-mlp --recompute-mlp-layers {count}); "
-                                   f"estimated peak memory: {self.estimate.describe()}")
-                first = memory.mlp_layers_to_fit(self.config, self.estimate, limit)
-            if m.recompute_mlp:
+                what = (f"the MLPs' gate and up projections in the first {first} of {layers} layers "
+                        f"(--recompute-mlp --recompute-mlp-layers {count})")
+            else:
+                models.checkpoint_layers(self.model, count)
+                m.grad_checkpoint, m.checkpoint_layers = True, count
+                what = f"the first {first} of {layers} layers (--grad-checkpoint --checkpoint-layers {count})"
+            self.estimate = self.estimate_memory()
+            self.reporter.info(f"fit memory: recomputing {what}; estimated peak memory: {self.estimate.describe()}")
+            if self.estimate.total <= limit or not count:
                 return
-        first = memory.layers_to_fit(self.config, self.estimate, limit)
-        if first is None:
-            return
-        count = 0 if first >= layers else first
-        models.checkpoint_layers(self.model, count)
-        m.grad_checkpoint, m.checkpoint_layers = True, count
-        self.estimate = self.estimate_memory()
-        self.reporter.info(f"fit memory: recomputing the first {first} of {layers} layers "
-                           f"(--grad-checkpoint --checkpoint-layers {count}); estimated peak memory: "
-                           f"{self.estimate.describe()}")
+            first = fewest(self.config, self.estimate, limit)
 
     def estimate_memory(self) -> memory.Estimate:
         """Peak memory of this run's largest micro-batch (see :func:`mlxft.memory.estimate`)."""
@@ -280,7 +276,9 @@ class Trainer:
             return hidden_loss(self.model, hidden, targets, weights, c.optim.label_smoothing, c.model.loss_chunk,
                                training=True)[0]
 
-        may_pace = c.train.pace_memory and not c.train.memory_limit and memory.may_pace_here()
+        # A --memory-limit paces as well (MLX waits for queued work past any limit), so the
+        # paced estimate is what has to fit under one.
+        may_pace = c.train.pace_memory and memory.may_pace_here()
         with self.world.local_work():  # its probes compile and run steps on this rank alone
             estimate = memory.estimate(self.model, per_rank, length, targets.size, self.optimizer.state,
                                        c.train.grad_accum_steps > 1, c.data.pack, loss_of_hidden, may_pace)
