@@ -70,7 +70,8 @@ class ModelConfig:
         False, "When the memory estimate passes the memory limit (--memory-limit, or MLX's), apply what the "
                "warning would advise first: --recompute-mlp where it fits and checkpointing would take more than "
                "half of the layers (with --recompute-mlp-layers N, as few as bring it under), else "
-               "--grad-checkpoint --checkpoint-layers N with as few layers as bring it under; applied before the first step and saved in the run's config. Needs train.memory_estimate."
+               "--grad-checkpoint --checkpoint-layers N with as few layers as bring it under; applied before "
+               "the first step and saved in the run's config. Needs train.memory_estimate."
     )
     loss_chunk: int = _opt(
         0, "Score supervised positions this many at a time. With a frozen output head (LoRA, DoRA) the "

@@ -403,9 +403,10 @@ def enable(model: nn.Module, recompute_mlp: bool = False, first: int = 0) -> boo
     """Give a supported family's MLPs :func:`swiglu` (same weights, same function) and its
     attention the written-out softmax; returns whether it applied. The MLPs change per
     instance (``recompute_mlp``: :func:`recomputed_mlp` in the first ``first`` layers, 0 =
-    every layer, where its projections are plain LoRA layers); attention is a function of the family's mlx-lm module, so it is replaced there
-    for the process, by one that takes :func:`attention` only for float32 training shapes
-    on the CPU and mlx-lm's own path otherwise. Other families keep mlx-lm's code."""
+    every layer, where its projections are plain LoRA layers); attention is a function of the
+    family's mlx-lm module, so it is replaced there for the process, by one that takes
+    :func:`attention` only for float32 training shapes on the CPU and mlx-lm's own path
+    otherwise. Other families keep mlx-lm's code."""
     family = models.family(model)
     if (family, False) not in _MLP_CALLS:
         return False

@@ -89,9 +89,10 @@ class Reporter:
         self._record(record)
         return record
 
-    def exact_match(self, step: int, score: float, rows: int, when: str) -> dict:
-        record = {"type": "exact_match", "step": step, "exact_match": score, "rows": rows}
-        self._print(f"exact-match {when}: {score:.1%} of {rows} held-out rows")
+    def exact_match(self, step: int, score: float, rows: int, when: str, peak_memory_gb: float) -> dict:
+        record = {"type": "exact_match", "step": step, "exact_match": score, "rows": rows,
+                  "peak_memory_gb": peak_memory_gb}  # generation's own
+        self._print(f"exact-match {when}: {score:.1%} of {rows} held-out rows (generation peak {peak_memory_gb:.2f} GB)")
         self._record(record)
         return record
 

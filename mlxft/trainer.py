@@ -104,6 +104,7 @@ class Trainer:
         self.memory_settings = memory.configure(t.memory_limit, t.cache_limit)
         self.estimate: memory.Estimate | None = None
         self.warned_over_limit = False
+        self.warned_generation_over_limit = False
         self.memory_limit = mx.get_memory_limit()  # the run's own; pacing lowers MLX's below it
         self.pacing: int | None = None  # the paced limit once set; 0 = not pacing
         if t.batch_size % self.world.size:
@@ -493,9 +494,19 @@ class Trainer:
         """Exact-match of greedy answers on the first validation rows (the training rows if none)."""
         source = self.valid_file or self.train_file
         pairs = generation.qa_pairs(source, self.config.train.exact_match_rows)
+        # Generation has a peak of its own (a batch of KV caches), which the training steps'
+        # records and the memory warning must not take for training's: measured apart.
+        mx.reset_peak_memory()
         with self.world.local_work():  # every rank generates; it takes as long as it takes
             score, answers = generation.exact_match(self.model, self.tokenizer, pairs, self.config.data.prompt_format)
-        self.reporter.exact_match(self.step_count, score, len(answers), when)
+        peak = mx.get_peak_memory()
+        mx.reset_peak_memory()
+        self.reporter.exact_match(self.step_count, score, len(answers), when, peak / 1e9)
+        if peak > 1.1 * self.memory_limit and not self.warned_generation_over_limit:
+            self.warned_generation_over_limit = True
+            self.reporter.info(f"warning: exact-match generation peaked at {peak / memory.GB:.2f} GB, past the "
+                               f"memory limit of {self.memory_limit / memory.GB:.2f} GB; --exact-match-rows 0 "
+                               f"skips it (now {self.config.train.exact_match_rows})")
         return score, answers
 
     def _show_answers(self, before, after, count: int = 3) -> None:

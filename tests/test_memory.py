@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import LFM2_CONFIG, LLAMA_CONFIG, write_model
-from mlxft import RunConfig, _gpu, fastmath, lora, memory, models
+from mlxft import RunConfig, _gpu, fastmath, generation, lora, memory, models
 from mlxft.config import AdapterConfig
 from mlxft.data import Dataset, Example
 from mlxft.trainer import Trainer, TrainingStopped
@@ -430,6 +430,33 @@ def test_limits_are_applied_and_passing_one_says_what_to_lower(llama_dir, tmp_pa
     assert "passed the memory limit" in out and "--grad-checkpoint" in out and "--batch-size 1" in out
     # Nothing fits 1 MB: the advice gives what recomputing every layer would come to, then the rest.
     assert "lower memory with --grad-checkpoint (estimated " in out
+
+
+def test_generation_reports_its_own_peak_apart_from_training(llama_dir, tmp_path, capsys, monkeypatch):
+    """Exact-match generation that peaks far above training (as a batch of KV caches can): its
+    record carries that peak and the warning names its own setting, while the training steps'
+    records report training's peak and raise no training warning."""
+    def generating(model, tokenizer, pairs, prompt_format):
+        held = mx.zeros((160, 1 << 20))  # 0.67 GB
+        mx.eval(held)
+        return 0.5, []
+
+    monkeypatch.setattr(generation, "qa_pairs", lambda source, limit: [([], "x")] * limit)
+    monkeypatch.setattr(generation, "exact_match", generating)
+    before = mx.get_memory_limit()
+    try:
+        run = trainer(llama_dir, tmp_path, batch_size=2, longest=64, exact_match_rows=2, memory_limit=0.5)
+        run.train()
+    finally:
+        mx.set_memory_limit(before)
+        mx.set_cache_limit(before)
+    records = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    generated = [r["peak_memory_gb"] for r in records if r["type"] == "exact_match"]
+    assert len(generated) == 2 and min(generated) > 0.6
+    assert 0 < measured_peak(run) / memory.GB < 0.4
+    out = capsys.readouterr().out
+    assert "warning: exact-match generation peaked at" in out and "--exact-match-rows 0 skips it (now 2)" in out
+    assert "warning: peak memory" not in out and "estimate exceeds the memory limit" not in out
 
 
 def test_out_of_memory_stops_with_advice(llama_dir, tmp_path, monkeypatch):
