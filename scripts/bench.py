@@ -274,6 +274,8 @@ def run_mlxft(args, rows, val_rows):
               "val_loss": common_val_loss(trainer.model, val_rows, args.batch_size), "wall_s": wall,
               "estimated_peak_memory_gb": trainer.estimate.total / 1e9,
               "estimate_gb": {k: getattr(trainer.estimate, k) / 1e9 for k in ("weights", "training_state", "activations", "loss")},
+              # Inside activations: the most a layer's backward pass holds over what the layers keep.
+              "estimate_transient_gb": trainer.estimate.transient / 1e9,
               "graph_mb": os.environ.get("MLX_MAX_MB_PER_BUFFER"),  # the trainer may lower mlxft's own cap
               # What the run recomputed, as --fit-memory may have chosen it.
               "recomputation": {k: getattr(trainer.config.model, k) for k in
