@@ -31,7 +31,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxft import models
-from mlxft.errors import UserError
 from mlxft.lora import plain_lora
 
 _LOG2E = 1.4426950408889634
@@ -347,20 +346,23 @@ _MLP_CALLS = {(name, recompute): _swiglu_mlp(*parts.projections, recompute=recom
 _MARKER = "_mlxft_fast_exp"
 
 
+def _mlp_of(layer: nn.Module, family: str) -> nn.Module | None:
+    parts = models.LAYER_PARTS.get(family)
+    return layer.get(parts.mlp) if parts is not None else None
+
+
 def _switchable_mlp(layer: nn.Module, family: str) -> nn.Module | None:
     """``layer``'s MLP where :func:`enable` gave it the call that keeps gate and up and its
     projections are plain LoRA layers (what :func:`recomputed_mlp` takes); else None."""
-    parts = models.LAYER_PARTS.get(family)
-    mlp = layer.get(parts.mlp) if parts is not None else None
+    mlp = _mlp_of(layer, family)
     if mlp is None or not getattr(type(mlp), _MARKER, False) or type(mlp).__call__ is not _MLP_CALLS[family, False]:
         return None
-    return mlp if all(plain_lora(mlp[name]) for name in parts.projections) else None
+    return mlp if all(plain_lora(mlp[name]) for name in models.LAYER_PARTS[family].projections) else None
 
 
 def recomputes_mlp(layer: nn.Module, family: str) -> bool:
     """Whether ``layer``'s MLP computes as under ``--recompute-mlp``."""
-    parts = models.LAYER_PARTS.get(family)
-    mlp = layer.get(parts.mlp) if parts is not None else None
+    mlp = _mlp_of(layer, family)
     return mlp is not None and type(mlp).__call__ is _MLP_CALLS[family, True]
 
 
@@ -384,19 +386,12 @@ def recompute_mlps(model: nn.Module, first: int = 0) -> bool:
     after :func:`enable` (``--fit-memory``); returns whether any could."""
     family = models.family(model)
     switched = False
-    for layer in _first_layers(model, first):
+    for layer in models.first_layers(model, first, "model.recompute_mlp_layers"):
         mlp = _switchable_mlp(layer, family)
         if mlp is not None:
             type(mlp).__call__ = _MLP_CALLS[family, True]
             switched = True
     return switched
-
-
-def _first_layers(model: nn.Module, first: int) -> list:
-    layers = list(model.layers)
-    if first > len(layers):
-        raise UserError(f"config field model.recompute_mlp_layers: {first} exceeds the model's {len(layers)} layers")
-    return layers[:first or len(layers)]
 
 
 def enable(model: nn.Module, recompute_mlp: bool = False, first: int = 0) -> bool:
@@ -410,7 +405,8 @@ def enable(model: nn.Module, recompute_mlp: bool = False, first: int = 0) -> boo
     family = models.family(model)
     if (family, False) not in _MLP_CALLS:
         return False
-    recomputing = {id(layer) for layer in _first_layers(model, first)} if recompute_mlp else set()
+    recomputing = ({id(layer) for layer in models.first_layers(model, first, "model.recompute_mlp_layers")}
+                   if recompute_mlp else set())
     module = sys.modules[type(model).__module__]
     if not hasattr(module.scaled_dot_product_attention, "mlxft_original"):
         module.scaled_dot_product_attention = _attention_for(module.scaled_dot_product_attention)

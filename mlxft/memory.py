@@ -270,10 +270,11 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
     x = mx.random.normal((batch, length, dim)).astype(dtype)
     # Layers that run alike: the same kind, checkpointed or not, MLP recomputed or not, trained or not.
     kinds: dict[tuple, list] = {}
+    model_family = family(model)
     for layer in layers:
         kind = "attention" if is_attention_layer(layer) else type(layer).__name__
         trained = bool(tree_flatten(layer.trainable_parameters()))
-        kinds.setdefault((kind, is_checkpointed(layer), fastmath.recomputes_mlp(layer, family(model)), trained),
+        kinds.setdefault((kind, is_checkpointed(layer), fastmath.recomputes_mlp(layer, model_family), trained),
                          []).append(layer)
     activations, transient, mlp_transient = 0, 0, 0
     savings, peaks = {}, {}  # id(layer) -> what recomputing it would save, and hold while it runs
@@ -296,7 +297,7 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
         # Recomputed, a layer keeps its input alone, and holds the rest again in its turn.
         savings.update((id(layer), kept - x.nbytes) for layer in members)
         peaks.update((id(layer), peak - x.nbytes) for layer in members)
-        with fastmath.mlp_recomputed(members[0], family(model)) as recomputing:
+        with fastmath.mlp_recomputed(members[0], model_family) as recomputing:
             kept_mlp, peak_mlp = (_kept_for_backward(members[0], layout, x), _layer_peak(members[0], layout, x)) \
                 if recomputing else (kept, peak)
         mlp_transient = max(mlp_transient, peak_mlp - kept_mlp)

@@ -228,6 +228,15 @@ LAYER_PARTS = {
 }
 
 
+def first_layers(model: nn.Module, count: int, field: str) -> list:
+    """The model's first ``count`` transformer layers (0: all of them), for the config ``field``
+    that names the count; a count beyond the model's layers is that field's error."""
+    layers = list(model.layers)
+    if count > len(layers):
+        raise UserError(f"config field {field}: {count} exceeds the model's {len(layers)} layers")
+    return layers[:count or len(layers)]
+
+
 def checkpoint_layers(model: nn.Module, count: int = 0, keep_mlp: bool = False) -> None:
     """Recompute the first ``count`` transformer layers' activations (0: every layer's) in the
     backward pass, for less memory: each one's ``__call__`` runs under ``mx.checkpoint`` (see
@@ -236,13 +245,11 @@ def checkpoint_layers(model: nn.Module, count: int = 0, keep_mlp: bool = False) 
     recomputes the rest: the mixer (attention or convolution), the norms and the SwiGLU."""
     from mlxft.fastmath import swiglu
 
-    layers = list(model.layers)
-    if count > len(layers):
-        raise UserError(f"config field model.checkpoint_layers: {count} exceeds the model's {len(layers)} layers")
+    recomputed = first_layers(model, count, "model.checkpoint_layers")
     if keep_mlp and family(model) not in LAYER_PARTS:
         raise UserError(f"config field model.checkpoint_keep_mlp: not supported for {family(model)} models "
                         f"(only {', '.join(LAYER_PARTS)}); drop --checkpoint-keep-mlp")
-    for layer in layers[:count or len(layers)]:
+    for layer in recomputed:
         plain_call, keyed = type(layer).__call__, _key_dropouts(layer)
 
         def checkpointed(self, *args, _call=plain_call, _keyed=keyed, **kwargs):
