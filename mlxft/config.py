@@ -194,7 +194,7 @@ class TrainConfig:
     clear_cache_above: float = _opt(
         -1.0, "Return the allocator cache to the system after each step once it holds more than this many GB; "
               "-1 = never. 0 is what mlx-lm does; on CUDA it cost LFM2-1.2B 66k -> 38k tokens/s for a peak "
-              "of 13.2 GB, which mlxft's cap on CUDA graphs now reaches at full speed (see README).",
+              "of 13.2 GB, which mlxft's cap on CUDA graphs now reaches at full speed (see benchmarks/README.md).",
     )
     memory_estimate: bool = _opt(
         True, "Before training, estimate peak memory by probing one and two layers at the batch shape "

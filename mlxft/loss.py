@@ -11,7 +11,7 @@ sets on CUDA and the CPU (one branch at a time, see :func:`mlxft._gpu.narrow_eva
 they are computed one after another, but the backend still allocates the chunks it has
 queued, which on the CPU is most of them unless evaluation is paced
 (:func:`mlxft.memory.pacing_limit`). Chunking saved 1 GB for a 128k vocabulary on CUDA (at
-the default width) and 12% of a checkpointed step's peak on the CPU (at width 1; README).
+the default width) and 12% of a checkpointed step's peak on the CPU (at width 1; benchmarks/README.md).
 The cross-entropy's own backward (:func:`token_cross_entropy`) returns the logits' gradient in
 the logits' dtype from one fused expression, so no float32 ``[N, vocab]`` tensor outlives the
 forward pass.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 benchmark set behind the README's GPU figures: mlx-lm's trainer against mlxft on
+# The H200 benchmark set behind the GPU figures in benchmarks/README.md: mlx-lm's trainer against mlxft on
 # the anchor workload (bf16, LoRA r8 on all linears, B=8, T=512 fixed rows) and on chat SFT
 # with variable lengths (rows of 128-512 tokens), each with and without mlxft's
 # --grad-checkpoint --loss-chunk 512, then chat at several seeds (adapter init and batch order),

@@ -10,8 +10,8 @@ step (three times; the first includes compiling), two steps queued as the traine
 the loss without gradients, the body's forward alone, the gradient of the loss with respect to
 the final hidden states alone (eager), and an eager value-and-gradient of the loss; then the
 compiled step's time. ``--layers N`` keeps the first N layers, so that a change in the step's peak
-with N separates what each layer keeps from what the step needs once. The README's per-phase
-figures for Llama-3.2-1B on the H200 come from this script.
+with N separates what each layer keeps from what the step needs once. The per-phase
+figures for Llama-3.2-1B on the H200 in benchmarks/README.md come from this script.
 """
 
 from __future__ import annotations
