@@ -19,6 +19,8 @@ import yaml
 
 from mlxft.errors import UserError
 
+WHOLE_LAYERS = "layers"  # the target that trains every weight of the selected layers (full only)
+
 
 def _opt(default: Any, help: str, choices: tuple | None = None):
     """A config field: its one default, the help text shown by --help, its allowed values."""
@@ -401,8 +403,8 @@ def validate(config: RunConfig) -> None:
     need(0 <= a.dropout < 1, "adapter.dropout", f"must be in [0, 1), got {a.dropout}")
     need(a.num_layers == -1 or a.num_layers >= 1, "adapter.num_layers", "must be -1 (all) or >= 1")
     need(len(a.targets) >= 1, "adapter.targets", "name at least one module or 'default'")
-    need("layers" not in a.targets or (a.targets == ["layers"] and a.finetune == "full"), "adapter.targets",
-         "'layers' (every weight of the trained layers) stands alone and needs --finetune full")
+    need(WHOLE_LAYERS not in a.targets or (a.targets == [WHOLE_LAYERS] and a.finetune == "full"), "adapter.targets",
+         f"'{WHOLE_LAYERS}' (every weight of the trained layers) stands alone and needs --finetune full")
     need(d.max_seq_length >= 2, "data.max_seq_length", f"must be >= 2, got {d.max_seq_length}")
     need(config.model.checkpoint_layers >= 0, "model.checkpoint_layers", "must be >= 0 (0 = every layer)")
     need(not config.model.checkpoint_layers or config.model.grad_checkpoint, "model.checkpoint_layers",

@@ -14,11 +14,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxft.config import AdapterConfig
+from mlxft.config import WHOLE_LAYERS, AdapterConfig
 from mlxft.errors import UserError
 
 _LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
-WHOLE_LAYERS = "layers"  # the target that trains every weight of the selected layers (full only)
 _MIXER_WORDS = ("attn", "attention", "conv", "mixer")
 _FEED_FORWARD_WORDS = ("mlp", "feed_forward", "ffn")
 
