@@ -6,7 +6,8 @@ The output directory holds what ``mlx_lm.load`` (and Hugging Face tooling) expec
   mlx-lm's ``quantization`` entry when weights stay quantized;
 - ``model.safetensors``: tensors under Hugging Face names (``model.layers.0.self_attn.q_proj...``);
 - ``tokenizer.json`` / ``tokenizer_config.json``: a ``tokenizers`` tokenizer rebuilt from the
-  GGUF's ``tokenizer.ggml.*`` vocabulary, merges and token types, with the chat template.
+  GGUF's ``tokenizer.ggml.*`` vocabulary, merges and token types, with the chat template
+  (:mod:`mlxft.gguf_tokenizer`).
 
 Reading is done by MLX itself (``mx.load(path, format="gguf")``). What MLX returns decides what
 we can keep: Q4_0, Q4_1 and Q8_0 blocks come back as MLX affine-quantized triples
