@@ -185,7 +185,10 @@ class TrainConfig:
         0.0, "MLX's memory limit in GB (it waits on pending work, then fails, past it); 0 = MLX's default "
              "(1.5x the recommended working set on Metal)."
     )
-    cache_limit: float = _opt(-1.0, "MLX's allocator-cache limit in GB; -1 = MLX's default.")
+    cache_limit: float = _opt(
+        -1.0, "MLX's allocator-cache limit in GB; -1 = the run's estimated peak and a quarter where MLX's default "
+              "is higher (Metal and CUDA, where it is the memory limit), else MLX's default.",
+    )
     pace_memory: bool = _opt(
         True, "On the CPU and CUDA: train under a memory limit just above the paced estimate (where that is "
               "below --memory-limit), so MLX waits instead of queueing the loss's chunks far ahead of the one it "

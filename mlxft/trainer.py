@@ -107,6 +107,7 @@ class Trainer:
         self.warned_generation_over_limit = False
         self.memory_limit = mx.get_memory_limit()  # the run's own; pacing lowers MLX's below it
         self.pacing: int | None = None  # the paced limit once set; 0 = not pacing
+        self.cache_limit_replaced: int | None = None  # MLX's cache limit while the run bounds it
         if t.batch_size % self.world.size:
             raise UserError(f"config field train.batch_size: {t.batch_size} rows cannot be split evenly over "
                             f"{self.world.size} ranks; use a multiple of {self.world.size}")
@@ -309,15 +310,19 @@ class Trainer:
                 raise
             raise distributed.PeerLost(f"rank {self.world.rank}: {first_line(err)}; another rank failed "
                                        "or became unreachable (see its output)") from err
-        finally:  # MLX's limit is the process's: whatever runs next gets it back
+        finally:  # MLX's limits are the process's: whatever runs next gets them back
             if self.pacing:
                 mx.set_memory_limit(self.memory_limit)
             self.pacing = None
+            if self.cache_limit_replaced is not None:
+                mx.set_cache_limit(self.cache_limit_replaced)
+            self.cache_limit_replaced = None
 
     def _train(self) -> TrainResult:
         t = self.config.train
         if self.pacing is None:
             self._pace_memory(first=True)
+        self._bound_cache()
         if self.valid_set is not None and self.step_count == 0 and self.batch_index == 0:
             self._evaluate()  # the baseline the validation curve starts from
         before = self._exact_match("before training") if t.exact_match_rows else None
@@ -480,6 +485,18 @@ class Trainer:
         self.reporter.info(f"memory: pacing evaluation at {limit / memory.GB:.2f} GB"
                            + ("" if first else f" (the run has needed {peak / memory.GB:.2f} GB)")
                            + "; --no-pace-memory turns it off")
+
+    def _bound_cache(self) -> None:
+        """Keep MLX's allocator cache under a quarter more than the run's estimated peak (the
+        estimate's tolerance, so the largest step's buffers fit) where ``--cache-limit`` is unset
+        and MLX's own limit is higher (see :func:`mlxft.memory.bound_cache`)."""
+        if self.config.train.cache_limit != -1 or self.estimate is None:
+            return
+        limit = int(memory.CACHE_OVER_ESTIMATE * self.estimate.total)
+        self.cache_limit_replaced = memory.bound_cache(limit)
+        if self.cache_limit_replaced is not None:
+            self.reporter.info(f"memory: allocator cache kept under {limit / memory.GB:.2f} GB (the estimated peak "
+                               f"and a quarter); --cache-limit sets another")
 
     def _check_memory_limit(self) -> None:
         peak, limit = mx.get_peak_memory(), self.memory_limit

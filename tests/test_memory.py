@@ -579,3 +579,39 @@ def test_fit_memory_needs_the_estimate():
     with pytest.raises(UserError, match="model.fit_memory"):
         validate(RunConfig.from_dict({"model": {"model": "m", "fit_memory": True}, "data": {"data": "d"},
                                          "train": {"memory_estimate": False}}))
+
+
+def test_the_cache_limit_is_only_ever_lowered():
+    before = mx.set_cache_limit(10 * 10**9)
+    try:
+        assert memory.bound_cache(10**9) == 10 * 10**9
+        assert memory.bound_cache(2 * 10**9) is None  # already under: left as it is
+        assert mx.set_cache_limit(10**9) == 10**9
+    finally:
+        mx.set_cache_limit(before)
+
+
+def test_a_run_keeps_the_cache_under_its_estimated_peak_and_gives_the_limit_back(llama_dir, tmp_path, capsys,
+                                                                              monkeypatch):
+    seen = []
+
+    def record_cache_limit(threshold_gb):
+        limit = mx.set_cache_limit(0)
+        mx.set_cache_limit(limit)
+        seen.append(limit)
+
+    monkeypatch.setattr(memory, "release_cache", record_cache_limit)
+    before = mx.set_cache_limit(100 * 10**9)  # MLX's default on Metal and CUDA: the memory limit
+    try:
+        run = trainer(llama_dir, tmp_path / "auto", batch_size=2, longest=64)
+        run.train()
+        assert seen and set(seen) == {int(memory.CACHE_OVER_ESTIMATE * run.estimate.total)}
+        assert mx.set_cache_limit(100 * 10**9) == 100 * 10**9  # the process has its own back
+        assert "memory: allocator cache kept under" in capsys.readouterr().out
+        seen.clear()
+        run = trainer(llama_dir, tmp_path / "set", batch_size=2, longest=64, cache_limit=0.5)
+        run.train()
+        assert set(seen) == {500_000_000}  # --cache-limit stands
+        assert "allocator cache kept under" not in capsys.readouterr().out
+    finally:
+        mx.set_cache_limit(before)
