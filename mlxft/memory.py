@@ -92,10 +92,10 @@ def bound_cache(limit: int) -> int | None:
     variable-length run meets stay cached: on an H200 the cache of a chat run reached 41-137 GB
     by its last step, and on a Mac it would hold the laptop's memory up to MLX's collection
     limit however little the run needs. Bounded near the run's estimated peak, the process holds
-    a little over twice what its largest step needs at most, at the same speed (H200, LFM2-1.2B chat,
-    ``--recompute-mlp``, a 6 GB cache limit against MLX's: 40.0k and 43.3k tokens/s against 38.2k
-    and 43.0k). mlx-lm's trainer empties the cache after every step instead, which took mlxft
-    from 66k to 38k tokens/s on that GPU."""
+    at most a little over twice what its largest step needs, at the same speed (H200, LFM2-1.2B
+    chat, ``--recompute-mlp``, a 6 GB cache limit against MLX's: 40.0k and 43.3k tokens/s against
+    38.2k and 43.0k). mlx-lm's trainer empties the cache after every step instead, which took
+    mlxft from 66k to 38k tokens/s on that GPU."""
     previous = mx.set_cache_limit(limit)
     if previous <= limit:
         mx.set_cache_limit(previous)

@@ -496,7 +496,7 @@ class Trainer:
         self.cache_limit_replaced = memory.bound_cache(limit)
         if self.cache_limit_replaced is not None:
             self.reporter.info(f"memory: allocator cache kept under {limit / memory.GB:.2f} GB (the estimated peak "
-                               f"and a quarter); --cache-limit sets another")
+                               "and a quarter); --cache-limit sets another")
 
     def _check_memory_limit(self) -> None:
         peak, limit = mx.get_peak_memory(), self.memory_limit
