@@ -150,18 +150,12 @@ class Estimate:
     def mlp_layers_to_recompute(self, limit: float) -> int | None:
         """The fewest first layers whose MLPs to recompute (``--recompute-mlp-layers``) for the
         estimate to fit ``limit`` bytes; None when even every layer's would not."""
-        for first in range(1, len(self.recompute_mlp_savings) + 1):
-            if self.recompute_mlp_savings[first - 1] and self.total_recomputing_mlp(first) <= limit:
-                return first
-        return None
+        return _fewest_first(self.recompute_mlp_savings, self.total_recomputing_mlp, limit)
 
     def layers_to_recompute(self, limit: float) -> int | None:
         """The fewest first layers to recompute (``--checkpoint-layers``) for the estimate to fit
         ``limit`` bytes; None when recomputing more layers cannot bring it under (or adds nothing)."""
-        for first in range(1, len(self.recompute_savings) + 1):
-            if self.recompute_savings[first - 1] and self.total_recomputing(first) <= limit:
-                return first
-        return None
+        return _fewest_first(self.recompute_savings, self.total_recomputing, limit)
 
     def pace(self) -> Estimate:
         """The same run paced: a fifth of the loss's queue is left as the limit's headroom."""
@@ -171,6 +165,15 @@ class Estimate:
         return (f"{self.total / GB:.2f} GB (weights {self.weights / GB:.2f}, adapters + gradients + optimizer "
                 f"{self.training_state / GB:.2f}, activations {self.activations / GB:.2f}, "
                 f"loss {self.loss / GB:.2f})")
+
+
+def _fewest_first(savings: tuple[int, ...], total_with, limit: float) -> int | None:
+    """The fewest first layers ``n`` whose last saves something and with which ``total_with(n)``
+    fits ``limit``; None when no count does."""
+    for first in range(1, len(savings) + 1):
+        if savings[first - 1] and total_with(first) <= limit:
+            return first
+    return None
 
 
 def _nbytes(tree) -> int:

@@ -518,7 +518,7 @@ class Trainer:
             score, answers = generation.exact_match(self.model, self.tokenizer, pairs, self.config.data.prompt_format)
         peak = mx.get_peak_memory()
         mx.reset_peak_memory()
-        self.reporter.exact_match(self.step_count, score, len(answers), when, peak / 1e9)
+        self.reporter.exact_match(self.step_count, score, len(answers), when, peak / memory.GB)
         if peak > 1.1 * self.memory_limit and not self.warned_generation_over_limit:
             self.warned_generation_over_limit = True
             self.reporter.info(f"warning: exact-match generation peaked at {peak / memory.GB:.2f} GB, past the "
