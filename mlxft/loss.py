@@ -31,21 +31,44 @@ from mlxft.models import hidden_states, output_head
 
 
 def _log_partition_and_softmax(wide: mx.array) -> tuple[mx.array, mx.array]:
-    """``logsumexp(wide, -1)`` (keeping the axis) and ``softmax(wide)`` over the last axis.
+    """``logsumexp(wide, -1)`` (keeping the axis) and ``softmax(wide)`` over the last axis, on the CPU.
 
-    On the CPU both come from one pass of exponentials: MLX's CPU logsumexp runs a scalar exp,
-    while the exp of a compiled elementwise expression is built for the processor
-    (:mod:`mlxft._jit`): over 1216 x 32000 float32 logits on this repository's Xeon, logsumexp
-    took 460 ms, the compiled exp 143. The exponentials cost a float32 array of the logits'
-    shape, which the softmax needs anyway. A GPU's logsumexp is one fused kernel that reads the
-    logits once: kept there."""
-    if mx.default_device() != mx.cpu:
-        lse = mx.logsumexp(wide, axis=-1, keepdims=True)
-        return lse, mx.exp(wide - lse)
+    Both come from one pass of exponentials: MLX's CPU logsumexp runs a scalar exp, while the
+    exp of a compiled elementwise expression is built for the processor (:mod:`mlxft._jit`):
+    over 1216 x 32000 float32 logits on this repository's Xeon, logsumexp took 460 ms, the
+    compiled exp 143. The exponentials cost a float32 array of the logits' shape, which the
+    softmax needs anyway."""
     top = wide.max(axis=-1, keepdims=True)
     exps = mx.exp(wide - top)
     total = exps.sum(axis=-1, keepdims=True)
     return top + mx.log(total), exps * (1 / total)
+
+
+def _scores_on_cpu(logits: mx.array, targets: mx.array, smoothing: float):
+    """``(log-partition, picked logit, mean logit or None, probabilities)``, float32, from a
+    float32 copy of the logits (see :func:`_log_partition_and_softmax`)."""
+    wide = logits.astype(mx.float32)
+    lse, probs = _log_partition_and_softmax(wide)
+    picked = mx.take_along_axis(wide, targets[:, None], axis=-1)
+    return lse, picked, wide.mean(-1, keepdims=True) if smoothing else None, probs
+
+
+def _scores_from_softmax(logits: mx.array, targets: mx.array, smoothing: float):
+    """:func:`_scores_on_cpu`'s four, the probabilities in the logits' dtype, without a float32
+    copy of the logits: for a GPU, where MLX's softmax is one kernel accumulating in float32.
+
+    A half-precision chunk's float32 copy is twice the logits (Llama-3.2-1B, 512 tokens: 263
+    MB), and a GPU backend allocates every chunk it has queued. The log-partition comes from the
+    largest probability, ``lse = max(logits) - log(max(softmax))``, which is at least 1/vocab,
+    so its log never overflows; rounded to bfloat16 it is exact to 2**-8 of itself, so a token's
+    loss to 0.004 at most, and unbiased. The gradient is the rounded probabilities less the target,
+    as before but for the target's own entry, rounded twice."""
+    probs = mx.softmax(logits, axis=-1, precise=True)
+    top = logits.max(axis=-1, keepdims=True).astype(mx.float32)
+    lse = top - mx.log(probs.max(axis=-1, keepdims=True).astype(mx.float32))
+    picked = mx.take_along_axis(logits, targets[:, None], axis=-1).astype(mx.float32)
+    mean = logits.astype(mx.float32).mean(-1, keepdims=True) if smoothing else None
+    return lse, picked, mean, probs
 
 
 @functools.cache
@@ -157,14 +180,13 @@ def head_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothi
     forward pass does the backward pass's matmul as well."""
     head, project = _head(model)
     smoothing = float(label_smoothing)
+    scores = _scores_on_cpu if mx.default_device() == mx.cpu else _scores_from_softmax
 
     @mx.custom_function
     def scored(hidden, targets):
         logits = project(hidden)
-        wide = logits.astype(mx.float32)
-        lse, probs = _log_partition_and_softmax(wide)
-        picked = mx.take_along_axis(wide, targets[:, None], axis=-1)
-        ce = lse - picked if not smoothing else lse - (1 - smoothing) * picked - smoothing * wide.mean(-1, keepdims=True)
+        lse, picked, mean, probs = scores(logits, targets, smoothing)
+        ce = lse - picked if not smoothing else lse - (1 - smoothing) * picked - smoothing * mean
         hit = mx.arange(logits.shape[-1]) == targets[:, None]
         target = (1 - smoothing) * hit + smoothing / logits.shape[-1] if smoothing else hit
         grad_logits = (probs - target).astype(logits.dtype)

@@ -246,6 +246,52 @@ def test_head_gradient_in_the_forward_pass_equals_the_backward_passes(model_dir,
     assert_same_loss_and_gradients(loss_and_grads(True), loss_and_grads(False), spread=1e-4)
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_gpu_scores_from_the_softmax_match_the_float32_copy(smoothing):
+    """A GPU's training loss reads the log-partition off the softmax instead of a float32 copy of
+    the logits: in float32 the same to rounding; in bfloat16 a token's loss to 2**-8 of the
+    largest probability (under 0.004) and each logit's gradient to one rounding."""
+    rng = np.random.default_rng(0)
+    # Spread so that some tokens are near certain and others near uniform.
+    logits = rng.normal(size=(1024, 3001)).astype(np.float32) * rng.choice([0.3, 3.0, 12.0], size=(1024, 1))
+    targets = mx.array(np.where(rng.random(1024) < 0.5, logits.argmax(-1), rng.integers(0, 3001, size=1024)))
+
+    def loss_and_gradient(scores, dtype):
+        x = mx.array(logits).astype(dtype)
+        lse, picked, mean, probs = scores(x, targets, smoothing)
+        ce = lse - picked if not smoothing else lse - (1 - smoothing) * picked - smoothing * mean
+        hit = mx.arange(x.shape[-1]) == targets[:, None]
+        target = (1 - smoothing) * hit + smoothing / x.shape[-1] if smoothing else hit
+        return np.array(ce[:, 0]), np.array((probs - target).astype(dtype).astype(mx.float32))
+
+    for dtype, loss_tolerance, gradient_tolerance in ((mx.float32, 2e-5, 1e-6), (mx.bfloat16, 4e-3, 2**-8)):
+        ce, grad = loss_and_gradient(loss_module._scores_from_softmax, dtype)
+        expected_ce, expected_grad = loss_and_gradient(loss_module._scores_on_cpu, dtype)
+        assert np.isfinite(ce).all()
+        np.testing.assert_allclose(ce, expected_ce, rtol=0, atol=loss_tolerance, err_msg=str(dtype))
+        np.testing.assert_allclose(grad, expected_grad, rtol=0, atol=gradient_tolerance, err_msg=str(dtype))
+    # The bfloat16 losses' errors do not lean one way (their spread is about 0.0015).
+    assert abs((ce - expected_ce).mean()) < 2e-4
+
+
+def test_gpu_scores_give_the_same_training_loss_and_gradients(model_dir, monkeypatch):
+    """Through the whole training loss (float32, as the CPU tests run), the GPU's scores give the
+    CPU's loss and adapter gradients."""
+    model, *_ = models.load(str(model_dir), "float32")
+    lora.apply(model, AdapterConfig(rank=4), seed=0)
+    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters()))
+    batch = make_batch(_rows(4) + _rows(5), 6, 8).arrays()
+
+    def loss_and_grads():
+        grad_fn = nn.value_and_grad(model, lambda m, *a: loss_fn(m, *a, chunk=16, training=True)[0])
+        loss, grads = grad_fn(model, *batch)
+        return loss.item(), dict(tree_flatten(grads))
+
+    expected = loss_and_grads()
+    monkeypatch.setattr(loss_module, "_scores_on_cpu", loss_module._scores_from_softmax)
+    assert_same_loss_and_gradients(loss_and_grads(), expected, spread=1e-4)
+
+
 def assert_same_loss_and_gradients(actual, expected, spread: float):
     """``(loss, {name: gradient})`` pairs agree: the loss to 1e-6, each gradient to 1e-4 relative
     or ``spread`` of its largest entry (summation order moves the small entries)."""
