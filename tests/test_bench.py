@@ -139,3 +139,15 @@ def test_the_profiled_epoch_is_the_benchmarks_first_epoch_of_mixed_shapes():
     assert all(len(batch) == 8 for batch in epoch)
     widths = [make_batch(batch, 8, 32).arrays()[0].shape[1] for batch in epoch]
     assert len(set(widths)) > 8 and widths != sorted(widths) and widths != sorted(widths, reverse=True)
+
+
+def test_loss_memory_script_finds_the_softmax_scores_lighter():
+    """scripts/loss_memory.py runs both scorers; in bfloat16 the softmax's holds less (no float32 copy)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "loss_memory.py"
+    out = subprocess.run([sys.executable, str(script), "--vocab", "8000", "--hidden", "64", "--tokens", "512",
+                          "--chunk", "64"], capture_output=True, text=True, check=True).stdout
+    unpaced = {line.split("  ")[0]: float(line.split("unpaced")[1].split("MB")[0]) for line in out.splitlines()[1:]}
+    assert set(unpaced) == {"float32 copy (CPU)", "softmax (GPU)"}, out
+    assert unpaced["softmax (GPU)"] < 0.8 * unpaced["float32 copy (CPU)"], out
