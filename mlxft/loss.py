@@ -71,6 +71,21 @@ def _scores_from_softmax(logits: mx.array, targets: mx.array, smoothing: float):
     return lse, picked, mean, probs
 
 
+def _device_scores():
+    """How this device scores a chunk: a float32 copy of the logits on the CPU, the softmax elsewhere."""
+    return _scores_on_cpu if mx.default_device() == mx.cpu else _scores_from_softmax
+
+
+def loss_and_logit_gradient(scores, logits: mx.array, targets: mx.array, smoothing: float):
+    """Per-token (label-smoothed) cross-entropy, float32 ``[N]``, and its gradient with respect to
+    ``logits`` in their dtype (softmax less the smoothed target), from ``scores``' four."""
+    lse, picked, mean, probs = scores(logits, targets, smoothing)
+    ce = lse - picked if not smoothing else lse - (1 - smoothing) * picked - smoothing * mean
+    hit = mx.arange(logits.shape[-1]) == targets[:, None]
+    target = (1 - smoothing) * hit + smoothing / logits.shape[-1] if smoothing else hit
+    return ce[:, 0], (probs - target).astype(logits.dtype)
+
+
 @functools.cache
 def _token_cross_entropy(smoothing: float):
     """The per-token cross-entropy with this label smoothing, as a function with its own backward."""
@@ -169,7 +184,8 @@ def frozen_head(model: nn.Module) -> nn.Module | None:
     return head if plain and not tree_flatten(head.trainable_parameters()) else None
 
 
-def head_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothing: float = 0.0, chunk: int = 0):
+def head_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothing: float = 0.0, chunk: int = 0,
+                       scores=None):
     """:func:`cross_entropy` of a :func:`frozen_head`'s logits, whose gradient with respect to
     ``hidden`` is computed in the forward pass, a chunk of ``chunk`` tokens at a time.
 
@@ -177,20 +193,16 @@ def head_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothi
     forward pass can already compute each token's ``(softmax - target) @ head`` and keep that
     ``[N, D]`` array instead of the ``[N, vocab]`` logits: no logits outlive their chunk and
     nothing is recomputed (the backward pass scales the kept rows). Only for training: the
-    forward pass does the backward pass's matmul as well."""
+    forward pass does the backward pass's matmul as well. ``scores``: how a chunk is scored
+    (:func:`_scores_on_cpu` or :func:`_scores_from_softmax`; default: this device's)."""
     head, project = _head(model)
     smoothing = float(label_smoothing)
-    scores = _scores_on_cpu if mx.default_device() == mx.cpu else _scores_from_softmax
+    scores = scores or _device_scores()
 
     @mx.custom_function
     def scored(hidden, targets):
-        logits = project(hidden)
-        lse, picked, mean, probs = scores(logits, targets, smoothing)
-        ce = lse - picked if not smoothing else lse - (1 - smoothing) * picked - smoothing * mean
-        hit = mx.arange(logits.shape[-1]) == targets[:, None]
-        target = (1 - smoothing) * hit + smoothing / logits.shape[-1] if smoothing else hit
-        grad_logits = (probs - target).astype(logits.dtype)
-        return ce[:, 0], input_gradient(head, grad_logits)
+        ce, grad_logits = loss_and_logit_gradient(scores, project(hidden), targets, smoothing)
+        return ce, input_gradient(head, grad_logits)
 
     @scored.vjp
     def scored_vjp(primals, cotangents, outputs):
