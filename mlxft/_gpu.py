@@ -17,6 +17,11 @@ GRAPH_MB = 200
 # on the H200 100M took Llama-3.2-1B chat from 9.09 to 8.49 GB at 31.1k against 31.3k tokens/s,
 # and 50M its longest step (--loss-chunk 512) from 3.94 to 3.37 GB over the weights at 82 ms a step either way.
 CHECKPOINTED_GRAPH_MB = 50
+# Recomputing only the MLPs keeps more activations, so the cap is halved rather than quartered: on
+# the H200 (chat, --loss-chunk 512, --recompute-mlp) 100M took the unpaced peak from 6.95 to 5.86 GB
+# (Llama-3.2-1B) and 7.12 to 6.18 (LFM2-1.2B), paced 5.21 to 5.15 and 5.66 to 5.57, at tokens/s
+# within the runs' spread; 50M cut Llama's unpaced peak to 5.45 GB but ran 10% slower there.
+RECOMPUTED_MLP_GRAPH_MB = 100
 # Compute capabilities where MLX's own cap is above GRAPH_MB (in its recent sources 1000M on
 # H100, B200 and consumer Blackwell, 400M on A100); elsewhere it is 100M or less, left alone.
 _LARGE_GRAPH_DEVICES = {(8, 0), (9, 0), (10, 0), (12, 0)}
@@ -75,9 +80,10 @@ def cap_graph_inputs(device_info: dict, mb: int = GRAPH_MB) -> None:
         os.environ[GRAPH_MB_VARIABLE] = os.environ[CHOSEN_VARIABLE] = str(mb)
 
 
-def cap_for_checkpointing() -> None:
-    """Lower mlxft's own cap for a run that recomputes its layers. Effective only before the
-    first GPU evaluation: the trainer calls it before it loads the model."""
+def cap_for_checkpointing(mb: int = CHECKPOINTED_GRAPH_MB) -> None:
+    """Lower mlxft's own cap to ``mb`` for a run that recomputes its layers (or, with
+    RECOMPUTED_MLP_GRAPH_MB, its MLPs). Effective only before the first GPU evaluation: the
+    trainer calls it before it loads the model."""
     chosen = os.environ.get(CHOSEN_VARIABLE)
     if chosen is not None and os.environ.get(GRAPH_MB_VARIABLE) == chosen:
-        os.environ[GRAPH_MB_VARIABLE] = os.environ[CHOSEN_VARIABLE] = str(CHECKPOINTED_GRAPH_MB)
+        os.environ[GRAPH_MB_VARIABLE] = os.environ[CHOSEN_VARIABLE] = str(mb)

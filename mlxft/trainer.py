@@ -98,8 +98,11 @@ class Trainer:
         validate(config)
         self.config = config
         t = config.train
-        if config.model.grad_checkpoint and model is None:  # a model given has been evaluated already
-            _gpu.cap_for_checkpointing()
+        if model is None:  # a model given has been evaluated already
+            if config.model.grad_checkpoint:
+                _gpu.cap_for_checkpointing()
+            elif config.model.recompute_mlp:
+                _gpu.cap_for_checkpointing(_gpu.RECOMPUTED_MLP_GRAPH_MB)
         self.world = world or distributed.init(t.backend, t.dist_timeout)
         self.memory_settings = memory.configure(t.memory_limit, t.cache_limit)
         self.estimate: memory.Estimate | None = None

@@ -236,6 +236,8 @@ def run_mlxft(args, rows, val_rows):
 
     if args.grad_checkpoint:  # as the trainer does, but before this model's first evaluation
         _gpu.cap_for_checkpointing()
+    elif args.recompute_mlp:
+        _gpu.cap_for_checkpointing(_gpu.RECOMPUTED_MLP_GRAPH_MB)
     model, _ = load_model(args.model, args.dtype)
     if args.lora_float32:  # measure the lever: mlx-lm's float32 LoRA arithmetic
         lora.compute_lora_in_input_dtype = lambda model: None

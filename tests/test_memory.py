@@ -559,17 +559,18 @@ def test_a_device_mlx_cannot_describe_does_not_stop_the_import(monkeypatch):
 
 
 @pytest.mark.parametrize("user", [None, "300"])
-def test_checkpointed_runs_lower_only_mlxfts_own_cap(monkeypatch, llama_dir, tmp_path, user):
+@pytest.mark.parametrize("recomputing, cap", [({}, _gpu.GRAPH_MB),
+                                              ({"grad_checkpoint": True}, _gpu.CHECKPOINTED_GRAPH_MB),
+                                              ({"recompute_mlp": True}, _gpu.RECOMPUTED_MLP_GRAPH_MB)])
+def test_recomputing_runs_lower_only_mlxfts_own_cap(monkeypatch, llama_dir, tmp_path, user, recomputing, cap):
     monkeypatch.delenv(_gpu.GRAPH_MB_VARIABLE, raising=False)
     monkeypatch.delenv(_gpu.CHOSEN_VARIABLE, raising=False)
     if user is not None:
         monkeypatch.setenv(_gpu.GRAPH_MB_VARIABLE, user)
     _gpu.cap_graph_inputs({"compute_capability_major": 9, "compute_capability_minor": 0})
-    trainer(llama_dir, tmp_path / "plain", batch_size=2, longest=64, memory_estimate=False)
-    assert os.environ[_gpu.GRAPH_MB_VARIABLE] == (user or str(_gpu.GRAPH_MB))
-    trainer(llama_dir, tmp_path / "checkpointed", batch_size=2, longest=64, grad_checkpoint=True,
-            memory_estimate=False)
-    assert os.environ[_gpu.GRAPH_MB_VARIABLE] == (user or str(_gpu.CHECKPOINTED_GRAPH_MB))
+    trainer(llama_dir, tmp_path, batch_size=2, longest=64, memory_estimate=False, **recomputing)
+    assert os.environ[_gpu.GRAPH_MB_VARIABLE] == (user or str(cap))
+    assert len({_gpu.GRAPH_MB, _gpu.CHECKPOINTED_GRAPH_MB, _gpu.RECOMPUTED_MLP_GRAPH_MB}) == 3
 
 
 def test_fit_memory_needs_the_estimate():
