@@ -511,6 +511,27 @@ def test_the_memory_line_names_the_evaluation_width(monkeypatch):
         mx.set_memory_limit(limit)
 
 
+@pytest.mark.parametrize("working_set", [24 * 10**9, None])
+def test_metal_wires_its_recommended_working_set_and_other_devices_wire_nothing(monkeypatch, working_set):
+    """As mlx-lm does on a Mac: unified memory the run needs stays resident. Only Metal reports a
+    recommended working set; elsewhere (or where it reports none) the wired limit is left alone."""
+    wired = []
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "set_wired_limit", wired.append)
+    info = {"architecture": "applegpu_g15s", "max_recommended_working_set_size": working_set}
+    monkeypatch.setattr(_gpu, "device_info", lambda: {k: v for k, v in info.items() if v is not None})
+    limit = mx.get_memory_limit()
+    try:
+        summary = memory.configure(0, -1)
+    finally:
+        mx.set_memory_limit(limit)
+    assert wired == ([working_set] if working_set else [])
+    assert ("wired limit 24.0 GB" in summary) == bool(working_set)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    memory.configure(0, -1)
+    assert len(wired) == (1 if working_set else 0)
+
+
 def test_graphs_are_evaluated_one_branch_at_a_time_unless_the_user_chose_a_width(tmp_path):
     """32 independent branches, each an array of 2 MiB summed to a scalar: MLX's default order
     keeps many of them alive together, mlxft's (MLX_BFS_MAX_WIDTH=1) far fewer."""
