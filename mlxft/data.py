@@ -101,16 +101,31 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise UserError(f"{path} line {number}: invalid JSON ({err.msg}); fix or remove the line") from err
+                except (ValueError, RecursionError) as err:  # an integer past Python's digit limit, nesting past its depth
+                    raise UserError(f"{path} line {number}: JSON Python cannot read ({first_line(err)}); "
+                                    "fix or remove the line") from err
                 if not isinstance(row, dict):
                     raise UserError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
                 rows.append((number, row))
     except UnicodeDecodeError as err:
-        raise UserError(f"{path}: not UTF-8 text ({err.reason}); save the file as UTF-8") from err
+        raise UserError(f"{path}{_undecodable_line(path)}: not UTF-8 text ({err.reason}); save the file as UTF-8") from err
     except OSError as err:
         raise UserError(f"cannot read {path}: {err.strerror or err}") from err
     if not rows:
         raise UserError(f"{path} holds no rows; add JSONL rows with text, prompt/completion or messages")
     return rows
+
+
+def _undecodable_line(path: Path) -> str:
+    """`` line N`` for the first line of ``path`` that is not UTF-8 (the text reader decodes in
+    blocks, so its error does not say), or "" where none is found alone."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return f" line {number}"
+    return ""
 
 
 def row_kind(row: dict, where: str) -> str:
@@ -275,18 +290,23 @@ def _assistant_header(tokenizer) -> str:
 _REASONING = re.compile(r"^\s*<think>.*?</think>", re.S)
 
 
-def _find(full: str, content: str, cursor: int, end_of_turn: str) -> tuple[int, int] | None:
+def _find(full: str, content: str, cursor: int, end_of_turn: str, repeated: bool = False) -> tuple[int, int] | None:
     """Where ``content`` is rendered at or after ``cursor``: as given, trimmed (Llama 3 trims)
     or without its reasoning block (nothing left: an empty answer at ``cursor``). A match
     followed by the end-of-turn text comes first, so a short answer such as "d" is not taken
-    from inside "<|im_end|>" or a role header."""
+    from inside "<|im_end|>" or a role header. ``repeated``: a later message says the same,
+    and that match may be the later message's where this one's content is not what closes its
+    turn (a tool result, an answer before its tool calls); then a match a turn earlier wins."""
     for text in dict.fromkeys((content, content.strip(), _REASONING.sub("", content).strip())):
         if not text:
             return cursor, cursor
-        for suffix in (end_of_turn, ""):
-            at = full.find(text + suffix, cursor)
-            if at >= 0:
-                return at, at + len(text)
+        at = full.find(text + end_of_turn, cursor) if end_of_turn else -1
+        plain = full.find(text, cursor)
+        if at >= 0 and repeated and full.find(end_of_turn, plain + len(text), at) >= 0:
+            at = plain
+        at = at if at >= 0 else plain
+        if at >= 0:
+            return at, at + len(text)
     return None
 
 
@@ -302,8 +322,9 @@ def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tup
     """
     end_of_turn = _end_of_turn(tokenizer)
     found, cursor = [], 0
-    for m in messages:
-        at = _find(full, m["content"], cursor, end_of_turn) if m["content"].strip() else (cursor, cursor)
+    for i, m in enumerate(messages):
+        repeated = any(later["content"].strip() == m["content"].strip() for later in messages[i + 1:])
+        at = _find(full, m["content"], cursor, end_of_turn, repeated) if m["content"].strip() else (cursor, cursor)
         if at is None and m["role"] == "assistant":
             raise UserError(f"{where}: an assistant turn's content does not appear in the chat template's rendering")
         found.append(at)

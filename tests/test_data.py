@@ -148,11 +148,14 @@ def test_truncation_and_skipping_are_counted(tmp_path, tokenizer, capsys):
         ('{"messages": [{"role": "user", "content": "\\udc00"}]}\n', "line 1: field 'messages[0].content' holds an unpaired"),
         ("\n\n", "holds no rows"),
         ('{"text": "a"}\n{"prompt": "p", "completion": "c"}\n', "rows mix shapes"),
+        (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "line 2: not UTF-8 text"),  # a Latin-1 export
+        ('{"text": "ok"}\n{"n": 1' + "0" * 5000 + "}\n", "line 2: JSON Python cannot read"),
+        ("[" * 100_000 + "]" * 100_000 + "\n", "line 1: JSON Python cannot read"),
     ],
 )
 def test_bad_rows_name_file_and_line(tmp_path, tokenizer, content, message):
     path = tmp_path / "bad.jsonl"
-    path.write_text(content)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     for read in (lambda: load_dataset(path, tokenizer, 64), lambda: check_file(path)):  # with and without tokenizer
         with pytest.raises(UserError, match=re.escape(message)) as err:
             read()
@@ -243,3 +246,18 @@ def test_tool_calls_of_earlier_turns_are_supervised(tokenizer, content, first):
     spans = [tokenizer.decode([i for i, _ in group])
              for flag, group in itertools.groupby(zip(ids, mask), key=lambda pair: pair[1]) if flag]
     assert spans == [first, "It is sunny.<|im_end|>\n"]
+
+
+@pytest.mark.parametrize("content, answer", [("", "sunny"), ("ok", "ok")])
+def test_an_answer_that_repeats_an_earlier_tool_turn_is_found_in_its_own_turn(tokenizer, content, answer):
+    # The tool result (and an answer before its tool calls) is not followed by the end of its
+    # turn, so the later answer's "sunny<|im_end|>" used to be taken for it, and the answer
+    # itself was then missing from the rendering.
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": content, "tool_calls": TOOL_CALL},
+                {"role": "tool", "content": "sunny"},
+                {"role": "assistant", "content": answer}]
+    ids, mask = encode_chat(tokenizer, messages, True, "test")
+    spans = [tokenizer.decode([i for i, _ in group])
+             for flag, group in itertools.groupby(zip(ids, mask), key=lambda pair: pair[1]) if flag]
+    assert spans == [(content + "\n" if content else "") + TOOL_CALL_TEXT, answer + "<|im_end|>\n"]
