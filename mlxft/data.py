@@ -228,8 +228,11 @@ def _incremental_spans(tokenizer, messages: list, full: str) -> list[tuple[int, 
             continue
         if i == 0:  # no prompt to end a role header; the content search leaves the header out
             return None
-        prompt = _render(tokenizer, messages[:i], True)
-        upto = _render(tokenizer, messages[: i + 1], False)
+        try:
+            prompt = _render(tokenizer, messages[:i], True)
+            upto = _render(tokenizer, messages[: i + 1], False)
+        except Exception:  # a template that rejects a prefix (one that must end the chat with an answer)
+            return None
         if not (upto.startswith(prompt) and full.startswith(upto)) or (spans and len(prompt) < spans[-1][1]):
             return None
         spans.append((len(prompt), len(upto)))
@@ -255,7 +258,10 @@ def _probe_end_of_turn(tokenizer, template) -> str:
     answer = "\x00probe\x00"
     one = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
     two = one + [{"role": "user", "content": "r"}, {"role": "assistant", "content": "s"}]
-    renders = [_render(tokenizer, chat, False) for chat in (one, two)]
+    try:
+        renders = [_render(tokenizer, chat, False) for chat in (one, two)]
+    except Exception:  # a template that rejects the probe: no end-of-turn text to look for
+        return ""
     tails = [text[text.index(answer) + len(answer):] for text in renders if answer in text]
     if len(tails) < 2:
         return ""

@@ -96,6 +96,14 @@ def test_role_header_of_a_leading_assistant_turn_is_not_supervised(tokenizer, mo
     assert supervised(tokenizer, messages) == ["Hello! How can I help?<|im_end|>\n", "4<|im_end|>\n"]
 
 
+def test_a_template_that_rejects_a_chat_ending_with_a_question_still_masks_the_answers(tokenizer, monkeypatch):
+    # The incremental spans render each prefix up to a question; where the template refuses
+    # that, the answers are found in the whole chat's rendering instead.
+    strict = "{% if messages[-1].role != 'assistant' %}{{ raise_exception('end with an answer') }}{% endif %}" + CHATML
+    monkeypatch.setattr(tokenizer._tokenizer, "chat_template", strict)
+    assert supervised(tokenizer, turns(("2+2?", "4"), ("3+3?", "6"))) == ["4<|im_end|>\n", "6<|im_end|>\n"]
+
+
 def test_end_of_turn_excludes_what_ends_the_conversation(tokenizer, monkeypatch):
     """A Phi-3.5-style template appends EOS after the last turn: earlier turns still end with <|end|>."""
     phi = ("{% for m in messages %}{{ '<|' + m.role + '|>\n' + m.content + '<|end|>\n' }}{% endfor %}"
