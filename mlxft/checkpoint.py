@@ -181,8 +181,8 @@ def save_tokenizer(run_dir: Path, tokenizer) -> None:
     directory, each renamed into place, so generation needs only the run and the base."""
     run_dir = Path(run_dir)
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    with tempfile.TemporaryDirectory(prefix=".tokenizer.", dir=run_dir) as tmp:
-        try:
+    try:
+        with tempfile.TemporaryDirectory(prefix=".tokenizer.", dir=run_dir) as tmp:  # may meet the full disk first
             try:
                 hf.save_pretrained(tmp)
             except Exception as err:  # a full disk, as the tokenizers library reports it
@@ -196,8 +196,8 @@ def save_tokenizer(run_dir: Path, tokenizer) -> None:
             for name in set(TOKENIZER_FILES) - written:  # another tokenizer's, e.g. a stale chat template
                 if (run_dir / name).is_file():
                     (run_dir / name).unlink()
-        except OSError as err:
-            raise UserError(f"cannot write the tokenizer into {run_dir}: {err.strerror or err}") from err
+    except OSError as err:
+        raise UserError(f"cannot write the tokenizer into {run_dir}: {err.strerror or err}") from err
 
 
 def append_metrics(run_dir: Path, record: dict) -> None:
@@ -307,9 +307,9 @@ def save_checkpoint(run_dir: Path, name: str, model, metadata: dict, optimizer_s
     not waiting on a lost peer)."""
     run_dir = Path(run_dir)
     final = run_dir / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=run_dir))
-    held = None
+    tmp, held = None, None
     try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=run_dir))  # may meet the full disk first
         _usual_mode(tmp, directory=True)
         _write_checkpoint_files(tmp, model, metadata, optimizer_state, window, trainer_state, config, progress)
         held = _hold_latest(run_dir, final)
@@ -318,7 +318,7 @@ def save_checkpoint(run_dir: Path, name: str, model, metadata: dict, optimizer_s
     except OSError as err:
         raise UserError(f"cannot write checkpoint {final}: {err.strerror or err}; free disk space (earlier checkpoints are intact)") from err
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         if held is not None:
             _release_latest(run_dir, held, name)
@@ -477,6 +477,17 @@ STATE_KEYS = ("step", "epoch", "batch_index", "window_real_tokens", "skipped_ste
 CONFIG_SECTIONS = ("model", "data", "adapter", "optim", "train")
 
 
+_COUNT_KEYS = ("step", "epoch", "batch_index", "window_real_tokens", "skipped_steps", "nonfinite_streak")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _damaged(path: Path, what: str) -> UserError:
     return UserError(f"{path} {what}; the checkpoint is damaged: resume from an earlier one")
 
@@ -494,7 +505,14 @@ def load_checkpoint(path: Path) -> dict:
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise _damaged(path / TRAINER_STATE, f"has no {missing[0]!r}")
-    if not (isinstance(state["loss_scaler"], dict) and {"scale", "good_steps"} <= set(state["loss_scaler"])):
+    for key in _COUNT_KEYS:
+        if not _is_count(state[key]):
+            raise _damaged(path / TRAINER_STATE, f"has no valid {key!r} (a count, got {state[key]!r})")
+    for key in ("best_val_loss", "last_val_loss"):
+        if state[key] is not None and not _is_number(state[key]):
+            raise _damaged(path / TRAINER_STATE, f"has no valid {key!r} (a number or null, got {state[key]!r})")
+    scaler = state["loss_scaler"]
+    if not (isinstance(scaler, dict) and _is_number(scaler.get("scale")) and _is_count(scaler.get("good_steps"))):
         raise _damaged(path / TRAINER_STATE, "has no valid 'loss_scaler'")
     if not (isinstance(config, dict) and all(isinstance(config.get(s), dict) for s in CONFIG_SECTIONS)):
         raise _damaged(path / CONFIG_FILE, f"is not a run config (sections {', '.join(CONFIG_SECTIONS)})")
@@ -512,8 +530,9 @@ def load_checkpoint(path: Path) -> dict:
 # differ; the rest change the run's meaning but not its tensors, so --force may override.
 RESUME_FIXED = ("adapter.finetune", "adapter.targets", "adapter.rank", "adapter.num_layers", "model.quantize",
                 "optim.optimizer")  # another optimizer's moments are not this one's
-RESUME_FORCEABLE = ("model.model", "model.dtype", "data.max_seq_length", "data.pack", "adapter.alpha",
-                    "adapter.dropout", "train.seed", "train.batch_size", "train.grad_accum_steps")
+RESUME_FORCEABLE = ("model.model", "model.revision", "model.dtype", "model.quantize_group_size", "data.max_seq_length",
+                    "data.pack", "adapter.alpha", "adapter.dropout", "train.seed", "train.batch_size",
+                    "train.grad_accum_steps")
 
 
 def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: bool,
@@ -527,7 +546,9 @@ def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: 
         return config.get(section, {}).get(key)
 
     forced = []
-    pairs = [(f, get(saved, f), get(current, f)) for f in RESUME_FIXED + RESUME_FORCEABLE] + [("task", saved_task, task)]
+    unquantized = not get(current, "model.quantize")  # then the group size means nothing
+    pairs = [(f, get(saved, f), get(current, f)) for f in RESUME_FIXED + RESUME_FORCEABLE
+             if not (unquantized and f == "model.quantize_group_size")] + [("task", saved_task, task)]
     for field_name, old, new in pairs:
         if old == new:
             continue

@@ -68,14 +68,19 @@ class TrainingStopped(Exception):
         self.checkpoint = checkpoint
 
 
+def continues_in(run_dir: Path, resume_from: Path | None) -> bool:
+    """Whether resuming from ``resume_from`` continues the run in ``run_dir`` (rather than
+    starting one there from another run's checkpoint)."""
+    return resume_from is not None and resume_from.parent == run_dir.resolve()
+
+
 def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = None, main: bool = True) -> None:
     """Refuse to mix two runs in one directory, or to replace files a run did not write, unless
     asked to (resuming continues a run). Only rank 0 (``main``) looks for the files a run writes:
     another rank sharing the directory may already see the metrics.jsonl rank 0 started."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"output path {run_dir} is a file; choose a directory for --output-dir")
-    continuing = resume_from is not None and resume_from.parent == run_dir.resolve()
-    if overwrite or continuing or not run_dir.exists():
+    if overwrite or continues_in(run_dir, resume_from) or not run_dir.exists():
         return
     if any((run_dir / name).exists() for name in (checkpoint.STATE_FILE, checkpoint.ADAPTER_FILE, checkpoint.LATEST)):
         raise UserError(f"output directory {run_dir} already holds a run; choose another --output-dir or pass --overwrite")
@@ -193,12 +198,12 @@ class Trainer:
                 raise UserError(f"cannot create --output-dir {self.run_dir}: {err.strerror or err}; choose "
                                 "a directory you can write to") from err
             checkpoint.remove_partial_saves(self.run_dir)  # a killed run's; this run's saves start clean
-            if resume_from is None:
+            if continues_in(self.run_dir, resume_from):
+                dropped = checkpoint.drop_metrics_after(self.run_dir, self.step_count)
+            else:  # a new run here, though it may start from another run's checkpoint
                 if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
                     checkpoint.remove_checkpoints(self.run_dir)
                 checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
-            else:
-                dropped = checkpoint.drop_metrics_after(self.run_dir, self.step_count)
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
         self._describe()
         if resume_from:

@@ -7,6 +7,7 @@ import signal
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -119,6 +120,38 @@ def test_resume_refuses_other_settings(llama_dir, uninterrupted, tmp_path):
     in_bf16.model.dtype = "bfloat16"
     with pytest.raises(UserError, match=r"model.dtype is 'bfloat16' but .* \(pass --force"):
         Trainer(in_bf16)
+
+
+def test_resume_refuses_another_quantization_group_unless_forced(tmp_path):
+    saved = RunConfig.from_dict({"model": {"model": "m", "quantize": 4}, "data": {"data": "d"}}).to_dict()
+    other = RunConfig.from_dict({"model": {"model": "m", "quantize": 4, "quantize_group_size": 32},
+                                 "data": {"data": "d"}}).to_dict()
+    with pytest.raises(UserError, match=r"model.quantize_group_size is 32 but .* 64 \(pass --force"):
+        checkpoint.check_resume(saved, other, "chat", "chat", force=False)
+    assert checkpoint.check_resume(saved, other, "chat", "chat", force=True) == ["model.quantize_group_size: 64 -> 32"]
+    for config in (saved, other):  # unquantized, the group size means nothing
+        config["model"]["quantize"] = 0
+    assert checkpoint.check_resume(saved, other, "chat", "chat", force=False) == []
+
+
+def test_overwrite_starting_from_another_runs_checkpoint_replaces_the_old_run(llama_dir, uninterrupted, tmp_path):
+    data = uninterrupted[0]
+    source = Trainer(config(llama_dir, data, tmp_path / "a", max_steps=2))
+    source.train()
+    old = Trainer(config(llama_dir, data, tmp_path / "b", max_steps=3, save_every=1, grad_accum_steps=1))
+    old.train()
+    with pytest.raises(UserError, match="already holds a run"):
+        Trainer(config(llama_dir, data, tmp_path / "b", resume=str(tmp_path / "a" / "final"), max_steps=3))
+    new = Trainer(config(llama_dir, data, tmp_path / "b", resume=str(tmp_path / "a" / "final"), max_steps=3,
+                         overwrite=True))
+    # Before the new run saves anything, nothing of the old one may pass for it.
+    assert not (tmp_path / "b" / "latest").exists()
+    assert not [p for p in (tmp_path / "b").iterdir() if p.name.startswith("checkpoint-")]
+    assert (tmp_path / "b" / "metrics.jsonl").read_text() == ""
+    new.train()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and min(steps) >= 2  # only the new run's records, from where it started
+    assert json.loads((tmp_path / "b" / "latest" / "trainer_state.json").read_text())["run_id"] == new.run_id
 
 
 def test_resume_refuses_other_training_data(llama_dir, uninterrupted, tmp_path, capsys):
@@ -257,6 +290,23 @@ def test_a_damaged_checkpoint_state_is_a_one_line_error(tmp_path, name, content,
     checkpoint.load_checkpoint(path)
     (path / name).write_text(content)
     with pytest.raises(UserError, match=message + ".*resume from an earlier one"):
+        checkpoint.load_checkpoint(path)
+
+
+@pytest.mark.parametrize("field, message", [
+    ({"step": "2"}, r"has no valid 'step' \(a count, got '2'\)"),
+    ({"batch_index": None}, r"has no valid 'batch_index'"),
+    ({"epoch": True}, r"has no valid 'epoch'"),
+    ({"skipped_steps": -1}, r"has no valid 'skipped_steps'"),
+    ({"best_val_loss": "low"}, r"has no valid 'best_val_loss' \(a number or null"),
+    ({"loss_scaler": {"enabled": True, "scale": "x", "good_steps": 0}}, r"has no valid 'loss_scaler'"),
+])
+def test_a_wrongly_typed_checkpoint_field_is_a_one_line_error(tmp_path, field, message):
+    # Hand-edited: every field there, one of the wrong type (it would fail later with a traceback).
+    path = tiny_checkpoint(tmp_path)
+    state = json.loads((path / "trainer_state.json").read_text())
+    (path / "trainer_state.json").write_text(json.dumps({**state, **field}))
+    with pytest.raises(UserError, match="trainer_state.json " + message + ".*resume from an earlier one"):
         checkpoint.load_checkpoint(path)
 
 
@@ -412,6 +462,16 @@ def test_full_disk_during_a_save_keeps_earlier_checkpoints(llama_dir, uninterrup
         trainer.save()
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+    # A disk with no room for even the temporary directory (out of inodes) is the same error.
+    monkeypatch.undo()
+    monkeypatch.setattr(tempfile, "mkdtemp", disk_full)
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", disk_full)
+    with pytest.raises(UserError, match="No space left on device"):
+        trainer.save_checkpoint("emergency")
+    with pytest.raises(UserError, match="No space left on device"):
+        checkpoint.save_tokenizer(out, trainer.tokenizer)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
 
 
 # ----------------------------------------------------------------------------- processes
