@@ -328,11 +328,15 @@ def load_yaml(path: str | Path) -> dict:
         raise UserError(f"cannot read config file {path}: {err.strerror or err}") from err
     try:
         data = yaml.load(text, Loader=_StrictLoader)
+    except yaml.reader.ReaderError as err:  # a control character: marked by position, not line
+        line = text.count("\n", 0, err.position) + 1
+        raise UserError(f"{path} line {line}: invalid YAML ({err.reason}: character #x{err.character:04x}); "
+                        "remove it") from err
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
         raise UserError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)})") from err
-    return data or {}
+    return {} if data is None else data  # an empty file; any other non-mapping is refused as one
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -385,6 +389,10 @@ def resolve(args: argparse.Namespace, config_path: str | None) -> RunConfig:
 
 
 MAX_GB = 1e6  # a memory or cache size beyond any machine: surely a typo
+# A count, length or step number past this is a typo too, and MLX takes shapes and indices as
+# 32-bit integers: past it a run would fail with a traceback, after creating its directory.
+MAX_COUNT = 2**31 - 1
+MAX_SEED = 2**64 - 1  # MLX's seed is an unsigned 64-bit integer
 
 
 def validate(config: RunConfig) -> None:
@@ -399,6 +407,9 @@ def validate(config: RunConfig) -> None:
         for name, value in vars(getattr(config, section)).items():
             finite = not isinstance(value, float) or math.isfinite(value)
             need(finite, f"{section}.{name}", f"must be a finite number, got {value}")
+            if isinstance(value, int) and not isinstance(value, bool) and name != "seed":
+                need(abs(value) <= MAX_COUNT, f"{section}.{name}", f"must be at most {MAX_COUNT:,}, got {value:,}")
+    need(0 <= t.seed <= MAX_SEED, "train.seed", f"must be 0 to 2**64-1, got {t.seed}")
     need(bool(config.model.model), "model.model", "no model given; pass --model DIR_OR_REPO")
     need(bool(d.data or d.train_file), "data.data", "no training data given; pass --data DIR or --train-file")
     need(a.rank >= 1, "adapter.rank", f"must be >= 1, got {a.rank}")
@@ -429,9 +440,11 @@ def validate(config: RunConfig) -> None:
     need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(o.optimizer != "adam" or o.weight_decay == 0, "optim.weight_decay", "Adam has no weight decay; use --optimizer adamw")
     need(0 <= o.momentum < 1, "optim.momentum", f"must be in [0, 1), got {o.momentum}")
+    need(o.momentum == 0 or o.optimizer == "sgd", "optim.momentum", "applies to --optimizer sgd only")
     need(o.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0 (0 disables clipping)")
     need(0 <= o.label_smoothing < 1, "optim.label_smoothing", "must be in [0, 1)")
-    need(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
+    need(t.epochs >= 1 or t.max_steps >= 1, "train.epochs", f"must be >= 1 unless --max-steps is set, got {t.epochs}")
+    need(t.epochs >= 0, "train.epochs", f"must be >= 0, got {t.epochs}")
     need(t.max_steps >= 0, "train.max_steps", "must be >= 0 (0 = train by epochs)")
     need(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
     need(t.grad_accum_steps >= 1, "train.grad_accum_steps", f"must be >= 1, got {t.grad_accum_steps}")

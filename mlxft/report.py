@@ -89,10 +89,15 @@ class Reporter:
         self._record(record)
         return record
 
-    def exact_match(self, step: int, score: float, rows: int, when: str, peak_memory_gb: float) -> dict:
+    def exact_match(self, step: int, score: float, rows: int, when: str, peak_memory_gb: float,
+                    held_out: bool = True) -> dict:
+        """``held_out``: the rows are validation rows; otherwise training rows (a run with no
+        validation set), which the line says, since the run has seen their answers."""
         record = {"type": "exact_match", "step": step, "exact_match": score, "rows": rows,
+                  "rows_from": "validation" if held_out else "training",
                   "peak_memory_gb": peak_memory_gb}  # generation's own
-        self._print(f"exact-match {when}: {score:.1%} of {rows} held-out rows (generation peak {peak_memory_gb:.2f} GB)")
+        kind = "held-out" if held_out else "training (no validation set)"
+        self._print(f"exact-match {when}: {score:.1%} of {rows} {kind} rows (generation peak {peak_memory_gb:.2f} GB)")
         self._record(record)
         return record
 

@@ -526,7 +526,8 @@ class Trainer:
             score, answers = generation.exact_match(self.model, self.tokenizer, pairs, self.config.data.prompt_format)
         peak = mx.get_peak_memory()
         mx.reset_peak_memory()
-        self.reporter.exact_match(self.step_count, score, len(answers), when, peak / memory.GB)
+        self.reporter.exact_match(self.step_count, score, len(answers), when, peak / memory.GB,
+                                  held_out=self.valid_file is not None)
         if peak > 1.1 * self.memory_limit and not self.warned_generation_over_limit:
             self.warned_generation_over_limit = True
             self.reporter.info(f"warning: exact-match generation peaked at {peak / memory.GB:.2f} GB, past the "

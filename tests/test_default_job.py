@@ -47,7 +47,8 @@ def test_default_job_reduced(tmp_path):
     }
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     matches = [r for r in records if r["type"] == "exact_match"]
-    assert [r["step"] for r in matches] == [0, 2] and all(r["rows"] == 3 for r in matches)
+    assert [r["step"] for r in matches] == [0, 2] and all(r["rows"] == 3 and r["rows_from"] == "validation" for r in matches)
+    assert "of 3 held-out rows" in proc.stdout
     evals = [r for r in records if r["type"] == "eval"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 2 and evals[0]["val_tokens"] < 112  # of the 24 rows' 112
     # The converted model was cached for the next run.

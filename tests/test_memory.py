@@ -467,9 +467,12 @@ def test_generation_reports_its_own_peak_apart_from_training(llama_dir, tmp_path
     records = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     generated = [r["peak_memory_gb"] for r in records if r["type"] == "exact_match"]
     assert len(generated) == 2 and min(generated) > 0.6
+    # No validation set: the rows scored are training rows, and the record and line say so.
+    assert {r["rows_from"] for r in records if r["type"] == "exact_match"} == {"training"}
     assert 0 < measured_peak(run) / memory.GB < 0.4
     out = capsys.readouterr().out
     assert "warning: exact-match generation peaked at" in out and "--exact-match-rows 0 skips it (now 2)" in out
+    assert "training (no validation set) rows" in out and "held-out" not in out
     assert "warning: peak memory" not in out and "estimate exceeds the memory limit" not in out
 
 

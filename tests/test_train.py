@@ -248,9 +248,17 @@ def resolve_cli(*args, config_path=None):
         (["--max-grad-norm", "nan"], "optim.max_grad_norm: must be a finite number"),
         (["--optimizer", "sgd", "--momentum", "-1"], "optim.momentum: must be in [0, 1)"),
         (["--optimizer", "sgd", "--momentum", "1"], "optim.momentum: must be in [0, 1)"),
+        (["--momentum", "0.9"], "optim.momentum: applies to --optimizer sgd only"),  # AdamW would ignore it
+        # Integers past what MLX takes (shapes, indices, seeds) had passed, then failed in a traceback.
+        (["--seed", "-1"], "train.seed: must be 0 to 2**64-1"),
+        (["--seed", str(2**64)], "train.seed: must be 0 to 2**64-1"),
+        (["--max-steps", "99999999999999999999"], "train.max_steps: must be at most 2,147,483,647"),
+        (["--batch-size", "99999999999999999999"], "train.batch_size: must be at most"),
+        (["--loss-chunk", "3000000000"], "model.loss_chunk: must be at most"),
+        (["--epochs", "0"], "train.epochs: must be >= 1 unless --max-steps is set"),
     ],
 )
-def test_out_of_range_floats_are_rejected(args, message):
+def test_out_of_range_values_are_rejected(args, message):
     with pytest.raises(UserError, match=re.escape(message)):
         resolve_cli(*args)
 
@@ -276,6 +284,27 @@ def test_a_key_given_twice_in_yaml_is_an_error(tmp_path):
     path.write_text("train:\n  batch_size: 2\n  batch_size: 4\n")
     with pytest.raises(UserError, match="line 3: invalid YAML .'batch_size' is given twice"):
         resolve_cli(config_path=path)
+
+def test_out_of_range_values_that_are_fine_pass():
+    assert resolve_cli("--epochs", "0", "--max-steps", "5").train.max_steps == 5  # epochs is ignored then
+    assert resolve_cli("--seed", str(2**64 - 1)).train.seed == 2**64 - 1
+    assert resolve_cli("--optimizer", "sgd", "--momentum", "0.9").optim.momentum == 0.9
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[]\n", "expected a mapping of sections"),
+    ("false\n", "expected a mapping of sections"),
+    ("0\n", "expected a mapping of sections"),
+    ("train:\n  epochs: 1\n  \x07\n", "line 3: invalid YAML (special characters are not allowed: character #x0007)"),
+    ("train:\n  epochs: 1\x00\n", "line 2: invalid YAML"),
+])
+def test_a_yaml_that_is_no_config_is_a_one_line_error(tmp_path, content, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(content)
+    with pytest.raises(UserError, match=re.escape(message)) as err:
+        resolve_cli(config_path=path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
 
 def test_config_file_that_is_not_utf8(tmp_path):
     path = tmp_path / "latin1.yaml"
