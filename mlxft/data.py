@@ -79,11 +79,13 @@ def resolve_files(data: str, train_file: str, valid_file: str) -> tuple[Path, Pa
         base = Path(data).expanduser()
         train = base / "train.jsonl" if base.is_dir() else base
     if not train.is_file():
-        raise UserError(f"training data {train} does not exist; pass --data DIR (with train.jsonl) or --train-file")
+        found = "is a directory" if train.is_dir() else "does not exist"  # a directory given to --train-file
+        raise UserError(f"training data {train} {found}; pass --data DIR (with train.jsonl) or --train-file FILE")
     if valid_file:
         valid = Path(valid_file).expanduser()
         if not valid.is_file():
-            raise UserError(f"validation data {valid} does not exist; check --valid-file")
+            found = "is a directory" if valid.is_dir() else "does not exist"
+            raise UserError(f"validation data {valid} {found}; pass a JSONL file to --valid-file")
         return train, valid
     valid = train.parent / "valid.jsonl"
     return train, valid if valid.is_file() and valid != train else None

@@ -202,6 +202,10 @@ def test_resolve_files(tmp_path):
     assert resolve_files(str(tmp_path), "", "") == (tmp_path / "train.jsonl", tmp_path / "valid.jsonl")
     with pytest.raises(UserError, match="does not exist"):
         resolve_files(str(tmp_path / "missing"), "", "")
+    with pytest.raises(UserError, match=r"training data .* is a directory; .*--train-file FILE"):
+        resolve_files("", str(tmp_path), "")
+    with pytest.raises(UserError, match=r"validation data .* is a directory; pass a JSONL file to --valid-file"):
+        resolve_files(str(tmp_path), "", str(tmp_path))
 
 
 def test_epoch_order_is_seeded_and_complete():
