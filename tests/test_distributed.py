@@ -247,7 +247,7 @@ def test_exact_match_generation_counts_as_local_work(uneven_data, monkeypatch):
     config = RunConfig()
     config.train.exact_match_rows = 2
     trainer = SimpleNamespace(world=world, valid_file=uneven_data / "valid.jsonl", config=config, model=None,
-                              tokenizer=None, step_count=0, reporter=SimpleNamespace(exact_match=lambda *args: None),
+                              tokenizer=None, step_count=0, reporter=SimpleNamespace(exact_match=lambda *args, **kwargs: None),
                               memory_limit=mx.get_memory_limit(), warned_generation_over_limit=False)
     Trainer._exact_match(trainer, "before training")
     assert depth == [1] and world._local_depth == 0
