@@ -137,9 +137,17 @@ def _number(config: dict, key: str, where: Path, kind=float, default=None):
     value = config.get(key, default)
     if value is None:
         raise UserError(f"{where}: missing '{key}'")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise UserError(f"{where}: '{key}' must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)  # JSON's NaN
+            or (kind is int and value != int(value))):
+        raise UserError(f"{where}: '{key}' must be {'an integer' if kind is int else 'a finite number'}, got {value!r}")
     return kind(value)
+
+
+def _dropout(config: dict, key: str, where: Path) -> float:
+    dropout = _number(config, key, where, default=0.0) if config.get(key) is not None else 0.0
+    if not 0 <= dropout < 1:
+        raise UserError(f"{where}: '{key}' must be in [0, 1), got {dropout}")
+    return dropout
 
 
 def _fine_tune_type(value, where: Path) -> str:
@@ -204,7 +212,7 @@ def _mlx_lm_spec(path: Path, config: dict) -> AdapterSpec:
             raise UserError(f"{where}: lora_parameters has no 'scale' (mlx-lm) or 'alpha'")
     return AdapterSpec(
         fine_tune_type=fine_tune_type, rank=rank, scale=scale,
-        dropout=float(params.get("dropout", 0.0) or 0.0), targets=targets if fine_tune_type == "full" else [],
+        dropout=_dropout(params, "dropout", where), targets=targets if fine_tune_type == "full" else [],
         num_layers=num_layers, model_type=str(config.get("model_type", "")),
         base_model=str(config.get("base_model") or config.get("model") or ""), source="mlx-lm", path=path)
 
@@ -224,6 +232,8 @@ def _read_peft(path: Path) -> tuple[dict[str, mx.array], AdapterSpec]:
     if config.get("fan_in_fan_out"):
         raise UserError(f"{where}: fan_in_fan_out is for GPT-2 style Conv1D layers, which mlx-lm models do not have")
     rank = _number(config, "r", where, int)
+    if rank < 1:
+        raise UserError(f"{where}: r must be >= 1, got {rank}")
     alpha = _number(config, "lora_alpha", where, default=8)  # PEFT's LoraConfig default, not r
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     raw, _ = checkpoint.load_adapter_weights(path / PEFT_WEIGHTS)
@@ -238,7 +248,7 @@ def _read_peft(path: Path) -> tuple[dict[str, mx.array], AdapterSpec]:
                         "lora_magnitude_vector tensors; the directory is inconsistent")
     spec = AdapterSpec(
         fine_tune_type="dora" if use_dora else "lora", rank=rank, scale=scale,
-        dropout=float(config.get("lora_dropout", 0.0) or 0.0), targets=[], num_layers=None,
+        dropout=_dropout(config, "lora_dropout", where), targets=[], num_layers=None,
         base_model=str(config.get("base_model_name_or_path") or ""), source="peft", path=path)
     return weights, spec
 

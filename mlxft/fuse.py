@@ -50,8 +50,8 @@ def fuse(adapter: str | None, model: str | None, out, *, dequantize: bool = Fals
 
     out = Path(out).expanduser()
     check_output_apart(out, "--out", {"adapter directory": adapter, "base model": model})
-    if max_shard_gb <= 0:
-        raise UserError(f"--max-shard-size must be > 0, got {max_shard_gb}")
+    if not (0 < max_shard_gb < float("inf")):  # nan and inf fail here, not after the model has loaded
+        raise UserError(f"--max-shard-size must be a number of GB > 0, got {max_shard_gb}")
     loaded = load_with_adapter(model, adapter, dtype="float32")  # merge in float32, cast when writing
     # The base the run recorded is an input too.
     check_output_apart(out, "--out", {"base model": loaded.model_path})

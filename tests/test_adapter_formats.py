@@ -225,12 +225,26 @@ def test_malformed_adapter_directories(llama_dir, runs_root, tmp_path):
     refused(plain, "no 'scale'")
     (plain / "adapter_config.json").write_text(json.dumps({"num_layers": 2, "lora_parameters": {"rank": 8, "scale": 2.0}}))
     refused(plain, "does not have rank 8")
+    # Python's JSON reads NaN, and a dropout as text: refused by name rather than in a traceback.
+    (plain / "adapter_config.json").write_text('{"num_layers": 2, "lora_parameters": {"rank": 8, "scale": NaN}}')
+    refused(plain, "'scale' must be a finite number, got nan")
+    (plain / "adapter_config.json").write_text('{"num_layers": 2, "lora_parameters": {"rank": NaN, "scale": 2.0}}')
+    refused(plain, "'rank' must be an integer, got nan")
+    (plain / "adapter_config.json").write_text(json.dumps({"num_layers": 2, "lora_parameters": {
+        "rank": 8, "scale": 2.0, "dropout": "0.1x"}}))
+    refused(plain, "'dropout' must be a finite number, got '0.1x'")
+    (plain / "adapter_config.json").write_text(json.dumps({"num_layers": 2, "lora_parameters": {
+        "rank": 8, "scale": 2.0, "dropout": 1.5}}))
+    refused(plain, r"'dropout' must be in \[0, 1\)")
 
     refused(_break_peft(_copy(peft_dir, tmp_path, "ia3"), peft_type="IA3"), "peft_type 'IA3'")
     refused(_break_peft(_copy(peft_dir, tmp_path, "dora"), use_dora=True), "use_dora is True")
     refused(_break_peft(_copy(peft_dir, tmp_path, "pattern"), rank_pattern={"q_proj": 8}), "rank_pattern")
     refused(_break_peft(_copy(peft_dir, tmp_path, "extra"), modules_to_save=["lm_head"]), "modules_to_save")
     refused(_break_peft(_copy(peft_dir, tmp_path, "bias"), bias="all"), "bias='all'")
+    refused(_break_peft(_copy(peft_dir, tmp_path, "r0"), r=0), "r must be >= 1, got 0")  # had divided by it
+    refused(_break_peft(_copy(peft_dir, tmp_path, "rs"), r=-4, use_rslora=True), "r must be >= 1, got -4")
+    refused(_break_peft(_copy(peft_dir, tmp_path, "drop"), lora_dropout="high"), "'lora_dropout' must be a finite")
     pickled = _copy(peft_dir, tmp_path, "bin")
     (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
     refused(pickled, "adapter_model.bin")

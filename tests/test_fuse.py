@@ -106,3 +106,7 @@ def test_fuse_refuses_bad_output_paths(llama_dir, runs_root, tmp_path, capsys):
     with pytest.raises(UserError, match="does not exist"):
         fuse(str(tmp_path / "no-run"), None, tmp_path / "y")
     assert not (tmp_path / "y").exists()
+    for size in (0.0, float("nan"), float("inf")):  # nan and inf had failed after loading the model
+        with pytest.raises(UserError, match="--max-shard-size must be a number of GB > 0"):
+            fuse(str(run), None, tmp_path / "y", max_shard_gb=size)
+    assert not (tmp_path / "y").exists()
