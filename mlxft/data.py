@@ -298,6 +298,11 @@ def _assistant_header(tokenizer) -> str:
 _REASONING = re.compile(r"^\s*<think>.*?</think>", re.S)
 
 
+def without_reasoning(text: str) -> str:
+    """``text`` without a leading ``<think>...</think>`` block."""
+    return _REASONING.sub("", text, count=1)
+
+
 def _find(full: str, content: str, cursor: int, end_of_turn: str, repeated: bool = False) -> tuple[int, int] | None:
     """Where ``content`` is rendered at or after ``cursor``: as given, trimmed (Llama 3 trims)
     or without its reasoning block (nothing left: an empty answer at ``cursor``). A match

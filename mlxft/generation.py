@@ -7,8 +7,9 @@ prompt, or the raw prompt), so the metric measures what the loss trained.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from mlxft.data import read_jsonl
+from mlxft.data import read_jsonl, without_reasoning
 from mlxft.errors import UserError, first_line
 
 
@@ -24,7 +25,16 @@ class Answer:
 
 
 def normalize(text: str) -> str:
-    return " ".join(text.strip().rstrip(".").split()).casefold()
+    """The answer as compared: without a leading reasoning block (Qwen3's template trains an
+    empty one before every final answer, so a model that learned its targets writes it),
+    case, spacing or a final period."""
+    return " ".join(without_reasoning(text).strip().rstrip(".").split()).casefold()
+
+
+class QAPair(NamedTuple):
+    messages: list[dict]  # the prompt: what comes before the answer
+    reference: str
+    chat: bool = False  # from a chat row, which training renders with the chat template whatever --prompt-format says
 
 
 def prompt_ids(tokenizer, messages: list[dict], prompt_format: str = "auto") -> list[int]:
@@ -39,21 +49,25 @@ def prompt_ids(tokenizer, messages: list[dict], prompt_format: str = "auto") -> 
             raise UserError(f"the chat template rejected the prompt's messages ({first_line(err)}); "
                             "leave out --system if the template takes none, or use --prompt-format raw") from err
         return list(tokenizer.encode(text, add_special_tokens=False))
-    return list(tokenizer.encode(messages[-1]["content"], add_special_tokens=True))
+    ids = list(tokenizer.encode(messages[-1]["content"], add_special_tokens=True)) if messages else []
+    if not ids:
+        raise UserError("the prompt is empty and the raw format adds nothing to it; give a prompt to continue")
+    return ids
 
 
-def qa_pairs(path, limit: int) -> list[tuple[list[dict], str]]:
-    """(prompt messages, reference answer) from prompt/completion or chat rows."""
+def qa_pairs(path, limit: int) -> list[QAPair]:
+    """Prompt and reference answer from prompt/completion or chat rows. A row with nothing
+    to prompt with (an empty prompt, a chat that opens with the answer) is passed over."""
     pairs = []
     for _, row in read_jsonl(path):
         if "messages" in row:
             msgs = row["messages"]
             last = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=None)
-            if last is None:
+            if not last:
                 continue
-            pairs.append((msgs[:last], msgs[last]["content"]))
-        elif "prompt" in row and "completion" in row:
-            pairs.append(([{"role": "user", "content": row["prompt"]}], row["completion"]))
+            pairs.append(QAPair(msgs[:last], msgs[last]["content"], chat=True))
+        elif "prompt" in row and "completion" in row and row["prompt"].strip():
+            pairs.append(QAPair([{"role": "user", "content": row["prompt"]}], row["completion"]))
         if len(pairs) >= limit:
             break
     return pairs
@@ -77,13 +91,13 @@ def exact_match(model, tokenizer, pairs, prompt_format: str = "auto", max_tokens
 
     if not pairs:
         return 0.0, []
-    prompts = [prompt_ids(tokenizer, messages, prompt_format) for messages, _ in pairs]
+    prompts = [prompt_ids(tokenizer, pair.messages, "chat" if pair.chat else prompt_format) for pair in pairs]
     model.eval()
     try:
         texts = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens,
                                completion_batch_size=GENERATION_BATCH, prefill_batch_size=GENERATION_BATCH).texts
     finally:
         model.train()
-    answers = [Answer(messages[-1]["content"], reference, text.strip()) for (messages, reference), text in zip(pairs, texts)]
+    answers = [Answer(pair.messages[-1]["content"], pair.reference, text.strip()) for pair, text in zip(pairs, texts)]
     score = sum(a.correct for a in answers) / len(answers)
     return score, answers

@@ -32,8 +32,8 @@ def main() -> None:
     model, tokenizer, *_ = models.load(builtin.resolve("builtin:smollm2-135m-instruct"), dtype="float32")
     pairs = generation.qa_pairs(builtin.resolve("builtin:capitals") + "/valid.jsonl", args.rows)
     tic = time.perf_counter()
-    alone = [generate(model, tokenizer, generation.prompt_ids(tokenizer, messages), max_tokens=args.max_tokens).strip()
-             for messages, _ in pairs]
+    alone = [generate(model, tokenizer, generation.prompt_ids(tokenizer, pair.messages), max_tokens=args.max_tokens).strip()
+             for pair in pairs]
     one_at_a_time = time.perf_counter() - tic
     tic = time.perf_counter()
     score, answers = generation.exact_match(model, tokenizer, pairs, max_tokens=args.max_tokens)

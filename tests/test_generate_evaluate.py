@@ -80,6 +80,36 @@ def test_chat_prompts_need_a_template_that_takes_them(tokenizer, monkeypatch):
     assert prompt_ids(tokenizer, user, "auto") == prompt_ids(tokenizer, user, "raw")  # auto: raw without a template
 
 
+def test_exact_match_prompts_chat_rows_as_training_renders_them_and_passes_over_empty_prompts(
+        tokenizer, tmp_path, monkeypatch):
+    from mlxft import generation
+
+    rows = [{"messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris"}]},
+            {"messages": [{"role": "assistant", "content": "Hello"}]},  # opens with the answer: nothing to prompt
+            {"prompt": "", "completion": "x"},
+            {"prompt": "Capital of Spain?", "completion": "Madrid"}]
+    path = tmp_path / "valid.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs = generation.qa_pairs(path, 10)
+    assert [(p.reference, p.chat) for p in pairs] == [("Paris", True), ("Madrid", False)]
+    prompted = []
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("mlx_lm.generate"), "batch_generate",  # the package's name is the function
+                        lambda model, tok, prompts, **kw: prompted.extend(prompts) or SimpleNamespace(
+                            texts=["<think>\n\n</think>\n\nParis", "madrid."]))
+    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    score, _ = generation.exact_match(model, tokenizer, pairs, "raw")
+    # The chat row keeps its template under --prompt-format raw, as training encodes it; the
+    # prompt/completion row is raw. An answer after an empty reasoning block (Qwen3's template
+    # trains one) is the answer.
+    assert tokenizer.decode(prompted[0]).startswith("<|im_start|>user\nCapital of France?")
+    assert tokenizer.decode(prompted[1]) == "Capital of Spain?"
+    assert score == 1.0
+    with pytest.raises(UserError, match="the prompt is empty"):
+        prompt_ids(tokenizer, [{"role": "user", "content": ""}], "raw")
+
+
 def test_evaluate_refuses_a_negative_cap_and_an_unscored_set(tokenizer, runs_root, monkeypatch):
     from mlxft import loss
 
@@ -109,9 +139,9 @@ def test_exact_match_answers_are_each_prompts_greedy_continuation(model_dir):
             if token in tokenizer.eos_token_ids:
                 break
             answer.append(token)
-        pairs.append((messages, tokenizer.decode(answer)))
+        pairs.append(generation.QAPair(messages, tokenizer.decode(answer)))
     score, answers = generation.exact_match(model, tokenizer, pairs, "raw", max_tokens=6)
-    assert [a.generated for a in answers] == [reference.strip() for _, reference in pairs]
+    assert [a.generated for a in answers] == [pair.reference.strip() for pair in pairs]
     assert score == 1.0
-    wrong = [(messages, reference + " and more") for messages, reference in pairs]
+    wrong = [pair._replace(reference=pair.reference + " and more") for pair in pairs]
     assert generation.exact_match(model, tokenizer, wrong, "raw", max_tokens=6)[0] == 0.0
