@@ -455,8 +455,8 @@ def build_config(meta: _Metadata, tensors: dict[str, mx.array]) -> dict[str, Any
         "mlp_bias": "blk.0.ffn_up.bias" in tensors,
         "hidden_act": "silu",
     }
-    for name in ("bos", "eos", "pad"):
-        token_id = meta.get_int(f"tokenizer.ggml.{name}_token_id")
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):  # llama.cpp's key names
+        token_id = meta.get_int(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
             config[f"{name}_token_id"] = token_id
     # Chat models often end a turn with an end-of-turn token distinct from eos: stop on both.

@@ -162,8 +162,8 @@ def build_tokenizer_config(meta, config: dict[str, Any]) -> dict[str, Any]:
                                         meta.get_str("tokenizer.ggml.model") == "llama")),
         "add_eos_token": bool(meta.get_bool("tokenizer.ggml.add_eos_token", False)),
     }
-    for name in ("bos", "eos", "unk", "pad"):
-        token_id = meta.get_int(f"tokenizer.ggml.{name}_token_id")
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):  # llama.cpp's key names
+        token_id = meta.get_int(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None and 0 <= token_id < len(tokens):
             result[f"{name}_token"] = tokens[token_id]
     template = meta.get_str("tokenizer.chat_template")

@@ -336,6 +336,10 @@ def test_tokenizer_and_chat_template(float_gguf, tmp_path):
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.encode("<|im_start|>user", add_special_tokens=False)[0] == 1
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_ids == {2}
+    # llama.cpp names the padding token's key "padding_token_id" (and the unknown's "unknown_"):
+    # read under "pad_" they were dropped, and transformers then could not pad a batch.
+    assert tokenizer.pad_token == vocab[0]
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] == 0
 
 
 def test_sentencepiece_tokenizer(quant_gguf, tmp_path):
@@ -348,6 +352,7 @@ def test_sentencepiece_tokenizer(quant_gguf, tmp_path):
     for text in ["the é\nx", "  two  spaces", "中文 🤖"]:
         assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
     assert tokenizer.bos_token == "<s>" and tokenizer.eos_token_ids == {2}
+    assert tokenizer.unk_token == "<unk>"
 
 
 def test_refuses_non_empty_output_unless_overwrite(float_gguf, tmp_path):
