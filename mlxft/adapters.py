@@ -490,6 +490,16 @@ class Loaded:
     spec: AdapterSpec | None
 
 
+def run_setting(spec: AdapterSpec | None, field: str, given, default):
+    """A flag's value: as given, else what the mlxft run recorded in its config's data section
+    (how it rendered and cut its rows), else ``default``; so scoring a run's adapter encodes
+    rows as that run's training did."""
+    if given is not None:
+        return given
+    recorded = ((spec.run_config or {}).get("data") or {}).get(field) if spec is not None else None
+    return default if recorded is None else recorded
+
+
 def base_model_name(model: str | None, spec: AdapterSpec | None) -> str:
     """``--model`` when given, else the base the adapter directory records."""
     name = model or (spec.base_model if spec else "")

@@ -37,11 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", required=True,
                         help="a JSONL file, or a directory holding test.jsonl (else valid.jsonl)")
     parser.add_argument("--batch-size", type=int, default=4, help="rows per forward pass (default 4)")
-    parser.add_argument("--max-seq-length", type=int, default=2048, help="truncate rows to this many tokens (default 2048)")
-    parser.add_argument("--no-completion-only", dest="completion_only", action="store_false",
-                        help="score every token, not only completions / assistant turns")
-    parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default="auto",
-                        help="how prompt/completion rows are rendered (as in training; default auto)")
+    # These three default to what an mlxft run recorded, so its adapter is scored on rows
+    # encoded as its training encoded them; otherwise to the trainer's own defaults.
+    parser.add_argument("--max-seq-length", type=int, default=None,
+                        help="truncate rows to this many tokens (default: the run's, else 2048)")
+    parser.add_argument("--completion-only", action=argparse.BooleanOptionalAction, default=None,
+                        help="score only completions / assistant turns (default: the run's, else yes)")
+    parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default=None,
+                        help="how prompt/completion rows are rendered (default: the run's, else auto)")
     parser.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0 = all)")
     parser.add_argument("--loss-chunk", type=int, default=0,
                         help="score this many tokens' logits at a time, for less memory (0 = all at once)")
@@ -95,12 +98,14 @@ def evaluate(model, tokenizer, path, *, batch_size: int = 4, max_seq_length: int
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     path = data_file(args.data)
-    from mlxft.adapters import load_with_adapter
+    from mlxft.adapters import load_with_adapter, run_setting
 
     loaded = load_with_adapter(args.model, args.adapter, args.dtype)
     result = evaluate(loaded.model, loaded.tokenizer, path, batch_size=args.batch_size,
-                      max_seq_length=args.max_seq_length, completion_only=args.completion_only,
-                      prompt_format=args.prompt_format, max_batches=args.max_batches, loss_chunk=args.loss_chunk)
+                      max_seq_length=run_setting(loaded.spec, "max_seq_length", args.max_seq_length, 2048),
+                      completion_only=run_setting(loaded.spec, "completion_only", args.completion_only, True),
+                      prompt_format=run_setting(loaded.spec, "prompt_format", args.prompt_format, "auto"),
+                      max_batches=args.max_batches, loss_chunk=args.loss_chunk)
     if args.json:
         print(json.dumps({"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
                           "rows": result.rows, "data": str(result.path)}))

@@ -25,9 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the user message ('-' reads it from standard input)")
     parser.add_argument("--system", default="", help="a system message to put before the prompt")
-    parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default="auto",
+    parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default=None,
                         help="auto: the chat template when the tokenizer has one (as training does); "
-                             "raw: the prompt text as is")
+                             "raw: the prompt text as is (default: the run's, else auto)")
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0 = off)")
@@ -58,15 +58,18 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.temp < 0 or not 0 <= args.top_p <= 1:
         raise UserError("--temp must be >= 0 and --top-p in [0, 1]")
+    if not 0 <= args.seed < 2**64:  # MLX's seed is an unsigned 64-bit integer
+        raise UserError(f"--seed must be 0 to 2**64-1, got {args.seed}")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     import mlx.core as mx
 
-    from mlxft.adapters import load_with_adapter
+    from mlxft.adapters import load_with_adapter, run_setting
     from mlxft.generation import prompt_ids
 
     loaded = load_with_adapter(args.model, args.adapter, args.dtype)
     mx.random.seed(args.seed)
-    ids = prompt_ids(loaded.tokenizer, messages_for(prompt, args.system), args.prompt_format)
+    prompt_format = run_setting(loaded.spec, "prompt_format", args.prompt_format, "auto")
+    ids = prompt_ids(loaded.tokenizer, messages_for(prompt, args.system), prompt_format)
     last = None
     try:
         for last in stream(loaded.model, loaded.tokenizer, ids, args.max_tokens, args.temp, args.top_p):

@@ -66,6 +66,35 @@ def test_evaluate_is_token_weighted_and_matches_the_trainer(llama_dir, runs_root
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_evaluate_encodes_rows_as_the_run_did_unless_told_otherwise(llama_dir, runs_root, tmp_path, capsys):
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run(runs_root, llama_dir), run)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["data"].update(prompt_format="raw", max_seq_length=12)  # as a run trained with those would record
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    rows = tmp_path / "qa.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"What is {i} plus {i}?", "completion": f" {2 * i}, of course."}) + "\n"
+                            for i in range(4)))
+
+    def printed(*flags):
+        capsys.readouterr()
+        assert evaluate_main(["--adapter", str(run), "--data", str(rows), "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    loaded = adapters.load_with_adapter(None, str(run))
+    as_run = evaluate(loaded.model, loaded.tokenizer, rows, prompt_format="raw", max_seq_length=12)
+    as_default = evaluate(loaded.model, loaded.tokenizer, rows)
+    assert as_run.tokens != as_default.tokens
+    assert printed()["tokens"] == as_run.tokens and printed()["loss"] == pytest.approx(as_run.loss, rel=1e-5)
+    given = printed("--prompt-format", "auto", "--max-seq-length", "2048")  # flags given win
+    assert given["tokens"] == as_default.tokens
+    assert printed("--no-completion-only")["tokens"] > as_run.tokens
+
+
 def test_chat_prompts_need_a_template_that_takes_them(tokenizer, monkeypatch):
     hf = tokenizer._tokenizer  # the wrapped transformers tokenizer: its own errors are tracebacks
     user = [{"role": "user", "content": "hi"}]
