@@ -524,7 +524,7 @@ def load_with_adapter(model: str | None, adapter: str | None, dtype: str = "auto
     the adapter on it, and take the tokenizer the run saved (else the base's)."""
     weights, spec = load_adapter_dir(adapter) if adapter else (None, None)
     name = base_model_name(model, spec)
-    quantize, group_size = 0, 64
+    quantize, group_size, run_dtype = 0, 64, dtype
     if spec is not None and spec.run_config:
         section = spec.run_config.get("model") or {}
         try:
@@ -532,8 +532,11 @@ def load_with_adapter(model: str | None, adapter: str | None, dtype: str = "auto
         except (AttributeError, TypeError, ValueError) as err:
             raise UserError(f"{spec.path / checkpoint.CONFIG_FILE}: model.quantize and model.quantize_group_size "
                             f"must be integers ({first_line(err)}); fix the file or remove it") from err
+        recorded = section.get("dtype")
+        run_dtype = recorded if recorded == "auto" or recorded in models.DTYPES else dtype
     try:
-        base, tokenizer, path, config = load_base(name, dtype, quantize, group_size, spec.path if spec else None)
+        base, tokenizer, path, config = load_base(name, dtype, quantize, group_size, spec.path if spec else None,
+                                                  quantize_dtype=run_dtype)
     except UserError as err:
         if model or spec is None:
             raise
@@ -544,13 +547,16 @@ def load_with_adapter(model: str | None, adapter: str | None, dtype: str = "auto
     return Loaded(base, tokenizer, Path(path), config, spec)
 
 
-def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, tokenizer_dir: Path | None = None):
+def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, tokenizer_dir: Path | None = None,
+              quantize_dtype: str | None = None):
     """``models.load`` for a model an adapter goes on: ``(model, tokenizer, path, config)``.
 
     The tokenizer is the one ``tokenizer_dir`` (a run directory) saved when it holds one: the
     tokenizer the run was trained with, which the hub's copy may have drifted from (and loading
     only one of the two saves a second). ``quantize`` (the run's QLoRA setting) applies only
-    to a base that is not quantized already.
+    to a base that is not quantized already, and quantizes it in ``quantize_dtype`` (the run's
+    dtype; training cast before quantizing), so a run trained in bfloat16 and fused in float32
+    gets the quantized weights it was trained on.
     """
     from mlx_lm.utils import load_model, load_tokenizer, quantize_model
 
@@ -562,9 +568,10 @@ def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int
     except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError, RuntimeError) as err:
         first = first_line(err)
         raise UserError(f"cannot load model from {path}: {first}") from err
-    model.set_dtype(models.resolve_dtype(dtype))
     if quantize and not models.is_quantized(model):
+        model.set_dtype(models.resolve_dtype(quantize_dtype or dtype))
         model, config = quantize_model(model, config, group_size, quantize)
+    model.set_dtype(models.resolve_dtype(dtype))
     model.freeze()
     return model, tokenizer, path, config
 

@@ -9,7 +9,7 @@ import pytest
 
 import mlx.core as mx
 
-from mlxft import adapters
+from mlxft import adapters, models
 from mlxft.errors import UserError
 from mlxft.fuse import fuse, main as fuse_main
 
@@ -66,6 +66,29 @@ def test_quantized_base_fuses_exactly_with_dequantize(llama_dir, runs_root, tmp_
     config = json.loads((requantized / "config.json").read_text())
     assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 32
     assert max_rel_diff(mlx_lm_logits(requantized), unfused) < 0.5  # loads; re-quantizing is lossy
+
+
+def test_a_bfloat16_qlora_run_is_loaded_in_float32_on_the_base_it_trained_on(llama_dir, runs_root, tmp_path):
+    # Training cast to bfloat16, then quantized; quantizing the float32 weights instead (as fuse's
+    # float32 load did) gives other groups' scales, so the merged model was not the trained one.
+    import yaml
+    from mlx.utils import tree_flatten
+
+    run = tmp_path / "run"
+    shutil.copytree(synthetic_run(runs_root, llama_dir, "lora", quantize=4), run)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["model"]["dtype"] = "bfloat16"
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    trained, *_ = models.load(str(llama_dir), "bfloat16", 4, 32)
+    loaded = adapters.load_with_adapter(None, str(run), dtype="float32").model
+    base = {k.replace(".linear.", "."): v for k, v in tree_flatten(loaded.parameters())}  # under the adapters
+    quantized = {k: v for k, v in tree_flatten(trained.parameters()) if k.endswith((".scales", ".biases", ".weight"))}
+    assert quantized and all(k in base for k in quantized)
+    for k, v in quantized.items():
+        if k.endswith(("scales", "biases")):
+            assert base[k].dtype == mx.float32  # computed in the dtype asked for
+        same_dtype = base[k].dtype == v.dtype  # packed uint32 weights compare as they are
+        assert mx.array_equal(*((base[k], v) if same_dtype else (base[k].astype(mx.float32), v.astype(mx.float32)))), k
 
 
 def test_full_fine_tune_fuses_to_its_weights_and_shards(llama_dir, runs_root, tmp_path):
