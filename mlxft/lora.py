@@ -54,9 +54,8 @@ def resolve_targets(targets: list[str], available: list[str]) -> list[str]:
         if target == "all":
             chosen.update(available)
         elif target == "default":
-            chosen.update(n for n in available if _is_mixer(n) or _is_feed_forward(n))
-            if not chosen:  # an unfamiliar layout: every linear layer
-                chosen.update(available)
+            familiar = {n for n in available if _is_mixer(n) or _is_feed_forward(n)}
+            chosen.update(familiar or available)  # an unfamiliar layout: every linear layer, whatever else is named
         elif target == "attn":
             chosen.update(n for n in available if _is_mixer(n))
         elif target == "mlp":

@@ -131,3 +131,13 @@ def test_config_layers_and_errors(tmp_path):
     keep_mlp = RunConfig.from_dict({"model": {"model": "m", "checkpoint_keep_mlp": True}, "data": {"data": "d"}})
     with pytest.raises(UserError, match="model.checkpoint_keep_mlp: applies to checkpointed runs; add --grad-checkpoint"):
         cfg.validate(keep_mlp)
+
+
+def test_default_targets_of_an_unfamiliar_layout_are_every_linear_even_beside_a_named_one():
+    unfamiliar = ["blk.a_proj", "blk.b_proj", "out_proj"]  # no attention or feed-forward names
+    assert lora.resolve_targets(["default"], unfamiliar) == unfamiliar
+    # Naming one module as well had left `default` to that module alone.
+    assert lora.resolve_targets(["out_proj", "default"], unfamiliar) == unfamiliar
+    familiar = ["mlp.up_proj", "other", "self_attn.q_proj"]
+    assert lora.resolve_targets(["other", "default"], familiar) == familiar
+    assert lora.resolve_targets(["default"], familiar) == ["mlp.up_proj", "self_attn.q_proj"]
