@@ -310,7 +310,7 @@ def _find(full: str, content: str, cursor: int, end_of_turn: str, repeated: bool
     from inside "<|im_end|>" or a role header. ``repeated``: a later message says the same,
     and that match may be the later message's where this one's content is not what closes its
     turn (a tool result, an answer before its tool calls); then a match a turn earlier wins."""
-    for text in dict.fromkeys((content, content.strip(), _REASONING.sub("", content).strip())):
+    for text in dict.fromkeys((content, content.strip(), without_reasoning(content).strip())):
         if not text:
             return cursor, cursor
         at = full.find(text + end_of_turn, cursor) if end_of_turn else -1
@@ -359,7 +359,7 @@ def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tup
             h = full.rfind(header, at[0], close) if header else -1
             if h >= 0:
                 body = full[h + len(header):close]
-                kept = _REASONING.sub("", body, count=1)
+                kept = without_reasoning(body)
                 if kept.strip():
                     start = close - len(kept.lstrip())
         elif end_of_turn and not full.startswith(end_of_turn, end):
