@@ -50,6 +50,25 @@ def device_description() -> str:
     return kind + (f" ({name}" + (f", {size / GB:.0f} GB" if size else "") + ")" if name else "")
 
 
+@dataclass(frozen=True)
+class Limits:
+    """MLX's memory and allocator-cache limits, which are the process's: a run that sets its
+    own puts these back when it ends, for whatever the process runs next (another Trainer in a
+    user's script). Metal's wired limit is left as set, as mlx-lm leaves it."""
+    memory: int
+    cache: int
+
+    @classmethod
+    def now(cls) -> "Limits":
+        cache = mx.set_cache_limit(1 << 62)  # MLX gives its cache limit back only when setting one;
+        mx.set_cache_limit(cache)  # raising it for an instant frees nothing
+        return cls(mx.get_memory_limit(), cache)
+
+    def restore(self) -> None:
+        mx.set_memory_limit(self.memory)
+        mx.set_cache_limit(self.cache)
+
+
 def configure(memory_limit_gb: float, cache_limit_gb: float) -> str:
     """Apply the limits; on Metal wire the recommended working set as mlx-lm does. Returns a summary."""
     notes = []

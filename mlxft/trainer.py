@@ -10,6 +10,7 @@ would. Evaluation, reporting and saving live in their own methods and modules.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -109,11 +110,9 @@ class Trainer:
             elif config.model.recompute_mlp:
                 _gpu.cap_for_checkpointing(_gpu.RECOMPUTED_MLP_GRAPH_MB)
         self.world = world or distributed.init(t.backend, t.dist_timeout)
-        self.memory_settings = memory.configure(t.memory_limit, t.cache_limit)
         self.estimate: memory.Estimate | None = None
         self.warned_over_limit = False
         self.warned_generation_over_limit = False
-        self.memory_limit = mx.get_memory_limit()  # the run's own; pacing lowers MLX's below it
         self.pacing: int | None = None  # the paced limit once set; 0 = not pacing
         self.cache_limit_replaced: int | None = None  # MLX's cache limit while the run bounds it
         if t.batch_size % self.world.size:
@@ -205,7 +204,9 @@ class Trainer:
                     checkpoint.remove_checkpoints(self.run_dir)
                 checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
-        self._describe()
+        # The run's limits hold while it estimates and trains, and no longer (see memory.Limits).
+        with self._run_limits():
+            self._describe()
         if resume_from:
             self.reporter.info(f"resumed from {resume_from} at step {self.step_count} (epoch {self.epoch + 1}, "
                                f"micro-batch {self.batch_index})" + (f"; forced: {'; '.join(forced)}" if forced else ""))
@@ -303,8 +304,25 @@ class Trainer:
         per_rank = self.config.train.batch_size // self.world.size
         return data.make_batch(rows, per_rank, self.config.data.length_bucket, pack=self.config.data.pack)
 
+    @contextlib.contextmanager
+    def _run_limits(self):
+        """MLX's limits set as the run asks (``--memory-limit``, ``--cache-limit``) for the
+        block, and those it had put back after it, however it ends."""
+        before = memory.Limits.now()
+        self.memory_settings = memory.configure(self.config.train.memory_limit, self.config.train.cache_limit)
+        self.memory_limit = mx.get_memory_limit()  # the run's own; pacing lowers MLX's below it
+        try:
+            yield
+        finally:
+            self.pacing = self.cache_limit_replaced = None
+            before.restore()
+
     def train(self) -> TrainResult:
         """Train to the last step; raises :class:`TrainingStopped` after an emergency save."""
+        with self._run_limits():
+            return self._train_reporting_failures()
+
+    def _train_reporting_failures(self) -> TrainResult:
         try:
             return self._train()
         except RuntimeError as err:
@@ -318,13 +336,6 @@ class Trainer:
                 raise
             raise distributed.PeerLost(f"rank {self.world.rank}: {first_line(err)}; another rank failed "
                                        "or became unreachable (see its output)") from err
-        finally:  # MLX's limits are the process's: whatever runs next gets them back
-            if self.pacing:
-                mx.set_memory_limit(self.memory_limit)
-            self.pacing = None
-            if self.cache_limit_replaced is not None:
-                mx.set_cache_limit(self.cache_limit_replaced)
-            self.cache_limit_replaced = None
 
     def _train(self) -> TrainResult:
         t = self.config.train

@@ -430,15 +430,28 @@ def test_what_earlier_work_left_cached_does_not_move_a_probe(llama_dir):
         assert memory._kept_for_backward(layer, None, x) == clean
 
 
-def test_limits_are_applied_and_passing_one_says_what_to_lower(llama_dir, tmp_path, capsys):
-    before = mx.get_memory_limit()
-    try:
-        run = trainer(llama_dir, tmp_path, batch_size=2, longest=64, memory_limit=0.001, cache_limit=0.0)
-        assert mx.get_memory_limit() == 1_000_000
+def test_limits_hold_for_the_run_alone_and_passing_one_says_what_to_lower(llama_dir, tmp_path, capsys, monkeypatch):
+    # MLX's limits are the process's: a Trainer in a user's script sets its own while it
+    # estimates and trains, then gives the process back what it had, however it ends.
+    before = memory.Limits.now()
+    run = trainer(llama_dir, tmp_path, batch_size=2, longest=64, memory_limit=0.001, cache_limit=0.0)
+    assert memory.Limits.now() == before
+    during = []
+    train_steps = run._train
+    run._train = lambda: during.append(memory.Limits.now()) or train_steps()
+    run.train()
+    assert during == [memory.Limits(1_000_000, 0)] and memory.Limits.now() == before
+    run._train = lambda: 1 / 0
+    with pytest.raises(ZeroDivisionError):
         run.train()
-    finally:
-        mx.set_memory_limit(before)
-        mx.set_cache_limit(before)  # MLX's default cache limit is the memory limit
+    assert memory.Limits.now() == before
+    def failing_probe(*args, **kwargs):
+        raise RuntimeError("the estimate's probe failed")
+
+    monkeypatch.setattr(memory, "estimate", failing_probe)  # fails while the run's limits are set
+    with pytest.raises(RuntimeError, match="probe failed"):
+        trainer(llama_dir, tmp_path / "other", batch_size=2, longest=64, memory_limit=0.5, cache_limit=0.1)
+    assert memory.Limits.now() == before
     out = capsys.readouterr().out
     assert "estimate exceeds the memory limit" in out
     assert "passed the memory limit" in out and "--grad-checkpoint" in out and "--batch-size 1" in out
