@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxft import _gpu, fastmath
+from mlxft.config import WHOLE_LAYERS
 from mlxft.models import compute_dtype, family, is_checkpointed
 from mlxft.packing import DocumentLayout, is_attention_layer
 
@@ -464,7 +465,18 @@ def _recompute_hint(config, estimate: Estimate | None, limit: float | None) -> s
     return f"{flags} (estimated {estimate.total_recomputing(first) / GB:.2f} GB)"
 
 
-def advice(config, estimate: Estimate | None = None, limit: float | None = None) -> str:
+def _smaller_batch_hint(batch_size: int, accum: int, ranks: int) -> str | None:
+    """The batch split into the fewest more accumulated micro-batches that each rank can still
+    share evenly (the same effective batch), or None where it cannot be split."""
+    for parts in range(2, batch_size + 1):
+        smaller = batch_size // parts
+        if batch_size % parts == 0 and smaller % ranks == 0 and smaller >= ranks:
+            return f"--batch-size {smaller} with --grad-accum-steps {accum * parts} (same effective batch)"
+    return None
+
+
+def advice(config, estimate: Estimate | None = None, limit: float | None = None, ranks: int = 1,
+           quantized: bool = False) -> str:
     """The settings that bring a run's memory down, most effective first. Given the run's
     ``estimate`` and the ``limit`` it passed, recomputation is advised for as few layers as fit
     (the rest keep their activations and their speed), and ``--recompute-mlp`` for as few
@@ -477,15 +489,19 @@ def advice(config, estimate: Estimate | None = None, limit: float | None = None)
     if mlp_layers is not None:
         mlp = _mlp_hint(config, estimate, mlp_layers)
         hints.insert(0 if prefers_mlp_recomputation(config, estimate, limit) else len(hints), mlp)
-    hints.append(f"--batch-size {max(config.train.batch_size // 2, 1)} with --grad-accum-steps "
-                 f"{config.train.grad_accum_steps * 2} (same effective batch)")
-    hints.append(f"--max-seq-length {max(config.data.max_seq_length // 2, 1)}")
+    # Each hint below must be a setting validation takes and that differs from the run's own.
+    smaller_batch = _smaller_batch_hint(config.train.batch_size, config.train.grad_accum_steps, ranks)
+    if smaller_batch:
+        hints.append(smaller_batch)
+    if config.data.max_seq_length // 2 >= 2:
+        hints.append(f"--max-seq-length {config.data.max_seq_length // 2}")
     if not config.model.loss_chunk and config.adapter.finetune == "full":  # adapters' heads chunk anyway
         hints.append("--loss-chunk 1024")
     if config.train.clear_cache_above != 0:
         hints.append("--clear-cache-above 0")
     if config.adapter.finetune == "full":
-        hints.append("--finetune lora")
-    elif not config.model.quantize:
+        whole_layers = WHOLE_LAYERS in config.adapter.targets  # a target LoRA cannot take
+        hints.append("--finetune lora" + (" --targets default" if whole_layers else ""))
+    elif not config.model.quantize and not quantized:
         hints.append("--quantize 4")
     return "lower memory with " + ", or ".join(hints)

@@ -239,7 +239,7 @@ class Trainer:
                 self._fit_memory(limit)
             if self.estimate.total > limit:
                 info(f"warning: the estimate exceeds the memory limit of {limit / memory.GB:.2f} GB; "
-                     + memory.advice(self.config, self.estimate, limit))
+                     + self._advice(limit))
 
     def _fit_memory(self, limit: float) -> None:
         """Recompute the MLPs' gate and up projections in, or else the whole of, the fewest first
@@ -329,7 +329,7 @@ class Trainer:
             if memory.is_out_of_memory(err):
                 raise TrainingStopped(
                     f"out of memory at step {self.step_count + 1} ({first_line(err)}); "
-                    + memory.advice(self.config, self.estimate, self.memory_limit)
+                    + self._advice(self.memory_limit)
                     + "; then --resume latest to continue from the last checkpoint",
                     1, None) from err
             if self.world.size == 1:
@@ -517,6 +517,10 @@ class Trainer:
             self.reporter.info(f"memory: allocator cache kept under {limit / memory.GB:.2f} GB (the estimated peak "
                                "and a quarter); --cache-limit sets another")
 
+    def _advice(self, limit: float) -> str:
+        return memory.advice(self.config, self.estimate, limit, ranks=self.world.size,
+                             quantized=models.is_quantized(self.model))
+
     def _check_memory_limit(self) -> None:
         peak, limit = mx.get_peak_memory(), self.memory_limit
         # Under a limit MLX waits for queued work once past it, so a peak a little over is expected.
@@ -524,7 +528,7 @@ class Trainer:
             self.warned_over_limit = True
             self.reporter.info(f"warning: peak memory {peak / memory.GB:.2f} GB passed the memory limit of "
                                f"{limit / memory.GB:.2f} GB, so MLX waits for memory and may swap; "
-                               + memory.advice(self.config, self.estimate, limit))
+                               + self._advice(limit))
 
     def _exact_match(self, when: str):
         """Exact-match of greedy answers on the first validation rows (the training rows if none)."""

@@ -224,6 +224,23 @@ def test_the_estimate_prices_recomputing_the_mlps(wider_model, tmp_path):
     assert 0.75 <= priced / measured_peak(configured) <= 1.25
 
 
+@pytest.mark.parametrize("settings, ranks, quantized, has, lacks", [
+    # Each hint is one validation takes and that changes the run.
+    ({"train": {"batch_size": 2}}, 2, False, [], ["--batch-size"]),  # 1 row cannot be split over 2 ranks
+    ({"train": {"batch_size": 8}}, 2, False, ["--batch-size 4 with --grad-accum-steps 2"], []),
+    ({"train": {"batch_size": 1}}, 1, False, [], ["--batch-size"]),  # already one row
+    ({"train": {"batch_size": 3}}, 1, False, ["--batch-size 1 with --grad-accum-steps 3 (same"], []),
+    ({"data": {"max_seq_length": 3}}, 1, False, [], ["--max-seq-length"]),  # 1 is refused
+    ({"adapter": {"finetune": "full", "targets": ["layers"]}}, 1, False, ["--finetune lora --targets default"], []),
+    ({}, 1, True, [], ["--quantize"]),  # the model on disk is quantized already
+    ({}, 1, False, ["--quantize 4", "--max-seq-length 1024"], []),
+])
+def test_advice_names_only_settings_that_are_taken_and_change_the_run(settings, ranks, quantized, has, lacks):
+    config = RunConfig.from_dict({**settings, "model": {"model": "m"}, "data": {"data": "d", **settings.get("data", {})}})
+    text = memory.advice(config, ranks=ranks, quantized=quantized)
+    assert all(h in text for h in has) and not any(x in text for x in lacks), text
+
+
 def test_advice_puts_mlp_recomputation_first_where_checkpointing_takes_most_layers():
     """Eight layers that each keep 1 GB (0.6 of it the MLP's gate and up); each layer's or MLP's
     backward pass holds 1 GB over what the layers keep."""
