@@ -105,6 +105,10 @@ class Reporter:
         if self.enabled:
             append_metrics(self.run_dir, record)
 
+    def start_clock(self) -> None:
+        """Time the next logged window from now (setup, estimates and baselines are not training)."""
+        self._window_start = time.perf_counter()
+
     def pause_clock(self, seconds: float) -> None:
         """Exclude time spent outside training (evaluation, saving) from throughput."""
         self._window_start += seconds

@@ -345,6 +345,7 @@ class Trainer:
         if self.valid_set is not None and self.step_count == 0 and self.batch_index == 0:
             self._evaluate()  # the baseline the validation curve starts from
         before = self._exact_match("before training") if t.exact_match_rows else None
+        self.reporter.start_clock()  # the first logged window times training, not what came before it
         self._compile_first_step()
         with self.stop:
             while self.step_count < self.total_steps:
@@ -449,8 +450,13 @@ class Trainer:
             limit = self.config.optim.max_nonfinite_steps
             if limit and self.nonfinite_streak >= limit and self.scaler.scale <= 1.0:
                 streak = self.nonfinite_streak
-                for later in steps[n + 1:] + self.pending:  # queued behind it: the checkpoint holds them
-                    self._account(later)
+                stopped = [done, *steps[n + 1:], *self.pending]  # queued behind it: the checkpoint holds them
+                for k, step in enumerate(stopped):
+                    if k:
+                        self._account(step)
+                    # The resumed run starts after them, so they are logged now or never; the
+                    # last closes the log's window whatever the cadence.
+                    self._log_step(step, force=k == len(stopped) - 1)
                 self.pending = []
                 path = self.save_checkpoint("emergency")
                 raise TrainingStopped(
@@ -554,10 +560,14 @@ class Trainer:
         for old, new in list(zip(before[1], after[1]))[:count]:
             self.reporter.info(f"Q: {old.prompt}\n  reference: {old.reference}\n  before: {old.generated!r}\n  after:  {new.generated!r}")
 
-    def _after_step(self, done: _QueuedStep, next_queued_at: float | None = None) -> None:
-        t, k = self.config.train, done.step
-        if k % t.log_every == 0 or k == self.total_steps:
+    def _log_step(self, done: _QueuedStep, next_queued_at: float | None = None, force: bool = False) -> None:
+        k = done.step
+        if force or k % self.config.train.log_every == 0 or k == self.total_steps:
             self.reporter.train(k, done.epoch + 1, float(done.learning_rate.item()), self.skipped_steps, next_queued_at)
+
+    def _after_step(self, done: _QueuedStep, next_queued_at: float | None = None) -> None:
+        k = done.step
+        self._log_step(done, next_queued_at)
         if self._evaluates_after(k):
             self._evaluate()
         if self._saves_after(k):

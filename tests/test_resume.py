@@ -369,6 +369,9 @@ def test_non_finite_streak_stops_with_an_emergency_checkpoint(llama_dir, uninter
     # The checkpoint describes every step its weights went through.
     assert state["step"] == trainer.optimizer.state["step"].item() == state["skipped_steps"] == saved_at
     assert trainer.skipped_steps == saved_at
+    # The resumed run starts after them, so every step the checkpoint holds is in the log.
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "train"] == list(range(1, saved_at + 1))
 
 
 def test_a_half_precision_window_from_an_older_checkpoint_resumes_in_float32(llama_dir, uninterrupted, tmp_path):

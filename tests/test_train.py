@@ -97,6 +97,16 @@ def test_mlx_lm_loads_the_adapters_with_the_same_logits(model_dir, chat_data, tm
     np.testing.assert_allclose(np.array(theirs), np.array(ours), rtol=1e-5, atol=1e-5)
 
 
+def test_the_first_report_times_training_not_what_came_before_it(llama_dir, chat_data, tmp_path):
+    # Set-up, the memory estimate's probes and the time before train() is called are not
+    # training: the first window read 17 tok/s after a script paused 5 s between the two.
+    trainer = Trainer(config(llama_dir, chat_data, tmp_path / "run", max_steps=1))
+    trainer.reporter._window_start -= 1000.0  # as if the script had waited 1000 s
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["seconds"] < 1000 for r in records if r["type"] == "train"] == [True]
+
+
 @pytest.mark.parametrize("finetune, lr, ratio", [("full", 3e-3, 0.05), ("lora", 1e-2, 0.85)])
 def test_loss_falls_on_a_learnable_task(llama_dir, tmp_path, finetune, lr, ratio):
     """Answer every question with the same phrase: the validation loss falls far below chance.
