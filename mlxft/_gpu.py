@@ -87,3 +87,11 @@ def cap_for_checkpointing(mb: int = CHECKPOINTED_GRAPH_MB) -> None:
     chosen = os.environ.get(CHOSEN_VARIABLE)
     if chosen is not None and os.environ.get(GRAPH_MB_VARIABLE) == chosen:
         os.environ[GRAPH_MB_VARIABLE] = os.environ[CHOSEN_VARIABLE] = str(mb)
+
+
+def cap_for_recomputation(grad_checkpoint: bool, recompute_mlp: bool) -> None:
+    """:func:`cap_for_checkpointing` at the cap for what the run recomputes (nothing: no change)."""
+    if grad_checkpoint:
+        cap_for_checkpointing(CHECKPOINTED_GRAPH_MB)
+    elif recompute_mlp:
+        cap_for_checkpointing(RECOMPUTED_MLP_GRAPH_MB)

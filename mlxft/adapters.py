@@ -144,7 +144,7 @@ def _number(config: dict, key: str, where: Path, kind=float, default=None):
 
 
 def _dropout(config: dict, key: str, where: Path) -> float:
-    dropout = _number(config, key, where, default=0.0) if config.get(key) is not None else 0.0
+    dropout = 0.0 if config.get(key) is None else _number(config, key, where)
     if not 0 <= dropout < 1:
         raise UserError(f"{where}: '{key}' must be in [0, 1), got {dropout}")
     return dropout

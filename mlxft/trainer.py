@@ -105,16 +105,12 @@ class Trainer:
         self.config = config
         t = config.train
         if model is None:  # a model given has been evaluated already
-            if config.model.grad_checkpoint:
-                _gpu.cap_for_checkpointing()
-            elif config.model.recompute_mlp:
-                _gpu.cap_for_checkpointing(_gpu.RECOMPUTED_MLP_GRAPH_MB)
+            _gpu.cap_for_recomputation(config.model.grad_checkpoint, config.model.recompute_mlp)
         self.world = world or distributed.init(t.backend, t.dist_timeout)
         self.estimate: memory.Estimate | None = None
         self.warned_over_limit = False
         self.warned_generation_over_limit = False
         self.pacing: int | None = None  # the paced limit once set; 0 = not pacing
-        self.cache_limit_replaced: int | None = None  # MLX's cache limit while the run bounds it
         if t.batch_size % self.world.size:
             raise UserError(f"config field train.batch_size: {t.batch_size} rows cannot be split evenly over "
                             f"{self.world.size} ranks; use a multiple of {self.world.size}")
@@ -314,7 +310,7 @@ class Trainer:
         try:
             yield
         finally:
-            self.pacing = self.cache_limit_replaced = None
+            self.pacing = None
             before.restore()
 
     def train(self) -> TrainResult:
@@ -518,8 +514,7 @@ class Trainer:
         if self.config.train.cache_limit != -1 or self.estimate is None:
             return
         limit = int(memory.CACHE_OVER_ESTIMATE * self.estimate.total)
-        self.cache_limit_replaced = memory.bound_cache(limit)
-        if self.cache_limit_replaced is not None:
+        if memory.bound_cache(limit) is not None:  # the limit it replaced comes back with the run's (_run_limits)
             self.reporter.info(f"memory: allocator cache kept under {limit / memory.GB:.2f} GB (the estimated peak "
                                "and a quarter); --cache-limit sets another")
 

@@ -234,10 +234,7 @@ def run_mlxft(args, rows, val_rows):
     from mlxft import _gpu
     from mlxft.trainer import Trainer
 
-    if args.grad_checkpoint:  # as the trainer does, but before this model's first evaluation
-        _gpu.cap_for_checkpointing()
-    elif args.recompute_mlp:
-        _gpu.cap_for_checkpointing(_gpu.RECOMPUTED_MLP_GRAPH_MB)
+    _gpu.cap_for_recomputation(args.grad_checkpoint, args.recompute_mlp)  # as the trainer does, before this model's first evaluation
     model, _ = load_model(args.model, args.dtype)
     if args.lora_float32:  # measure the lever: mlx-lm's float32 LoRA arithmetic
         lora.compute_lora_in_input_dtype = lambda model: None
