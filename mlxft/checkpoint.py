@@ -384,13 +384,16 @@ def _checkpoint_state(path: Path) -> dict | None:
     return state if isinstance(state, dict) and all(k in state for k in ("step", "batch_index", "total_steps")) else None
 
 
-def prune_checkpoints(run_dir: Path, keep: int, run_id: str) -> list[Path]:
-    """Delete all but the newest ``keep`` periodic checkpoints of run ``run_id``; final,
-    emergency and every directory another run (or anything but mlxft) wrote stay."""
+def prune_checkpoints(run_dir: Path, keep: int, run_id: str, step: int) -> list[Path]:
+    """Delete all but the newest ``keep`` periodic checkpoints of run ``run_id`` up to ``step``
+    (the step just saved); final, emergency and every directory another run (or anything but
+    mlxft) wrote stay. So do checkpoints past ``step``: a run resumed from an older checkpoint
+    left them behind (see :func:`rewind_latest`), and counting them would delete this run's."""
     if keep <= 0:
         return []
     found = sorted((int(m.group(1)), p) for p in Path(run_dir).iterdir()
-                   if (m := _STEP_CHECKPOINT.match(p.name)) and (_checkpoint_state(p) or {}).get("run_id") == run_id)
+                   if (m := _STEP_CHECKPOINT.match(p.name)) and int(m.group(1)) <= step
+                   and (_checkpoint_state(p) or {}).get("run_id") == run_id)
     doomed = [p for _, p in found[:-keep]]
     latest = (Path(run_dir) / LATEST).resolve()
     for path in doomed:
@@ -451,6 +454,21 @@ def first_output_in(run_dir: Path) -> str | None:
         if path.name in names or _ANY_CHECKPOINT.match(path.name):
             return path.name
     return None
+
+
+def rewind_latest(run_dir: Path, resumed: Path) -> Path | None:
+    """Point ``latest`` at ``resumed``, a checkpoint of ``run_dir`` that a run resumes from,
+    when it names another; return the one it named.
+
+    A run resumed from an older checkpoint than ``latest`` leaves the newer ones behind, and
+    drops the metrics of their steps; ``--resume latest`` after a crash before its first save
+    must then come back to where it started, not to a checkpoint whose metrics are gone."""
+    link = Path(run_dir) / LATEST
+    named = link.resolve() if link.is_symlink() or link.exists() else None
+    if named == Path(resumed).resolve():
+        return None
+    _point_latest(Path(run_dir), Path(resumed).name)
+    return named
 
 
 def resolve_checkpoint(spec: str, run_dir: Path) -> Path:

@@ -185,7 +185,7 @@ class Trainer:
         if self.window is not None:  # restored per parameter; the step may hold it as one vector
             grads, loss_sum, tokens = self.window
             self.window = (gradient_window(grads, self.layout), loss_sum, tokens)
-        dropped = 0  # metrics.jsonl records of steps this resumed run trains again
+        dropped, left = 0, None  # metrics.jsonl records of steps this resumed run trains again; what latest named
         if self.world.is_main:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -194,6 +194,7 @@ class Trainer:
                                 "a directory you can write to") from err
             checkpoint.remove_partial_saves(self.run_dir)  # a killed run's; this run's saves start clean
             if continues_in(self.run_dir, resume_from):
+                left = checkpoint.rewind_latest(self.run_dir, resume_from)  # before its steps' metrics go
                 dropped = checkpoint.drop_metrics_after(self.run_dir, self.step_count)
             else:  # a new run here, though it may start from another run's checkpoint
                 if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
@@ -206,6 +207,9 @@ class Trainer:
         if resume_from:
             self.reporter.info(f"resumed from {resume_from} at step {self.step_count} (epoch {self.epoch + 1}, "
                                f"micro-batch {self.batch_index})" + (f"; forced: {'; '.join(forced)}" if forced else ""))
+        if left is not None:
+            self.reporter.info(f"{checkpoint.LATEST} now names {resume_from.name} (it named {left.name}, which stays "
+                               "on disk unless this run saves a checkpoint of that name)")
         if dropped:
             self.reporter.info(f"{checkpoint.METRICS_FILE}: removed {dropped} records of steps after {self.step_count}, "
                                "which this run trains again")
@@ -672,7 +676,8 @@ class Trainer:
             self.reporter.info(f"checkpoint {path}")
             if kind == "step":
                 progress()
-                checkpoint.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints, self.run_id)
+                checkpoint.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints, self.run_id,
+                                             self.step_count)
 
         self.world.main_rank_work(write)
         return self.run_dir / name

@@ -197,9 +197,36 @@ def test_retention_keeps_the_newest_and_never_final_emergency_or_others(tmp_path
     (tmp_path / "checkpoint-5" / "notes.txt").write_text("mine")
     (tmp_path / "latest").unlink()
     os.symlink("checkpoint-4", tmp_path / "latest")  # e.g. resumed from there: never pruned
-    checkpoint.prune_checkpoints(tmp_path, keep=2, run_id="run-a")
+    checkpoint.prune_checkpoints(tmp_path, keep=2, run_id="run-a", step=8)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-3-emergency", "checkpoint-4", "checkpoint-5",
                                                          "checkpoint-6", "checkpoint-8", "final", "latest"]
+
+
+def test_resuming_an_older_checkpoint_rewinds_latest_and_prunes_only_its_own_branch(llama_dir, uninterrupted,
+                                                                                    tmp_path, capsys):
+    # A run saved checkpoints 2 to 8; the user goes back to 2 (say, with another learning rate).
+    # Its metrics past step 2 go at once, so `latest` must name checkpoint-2 from then on: a
+    # crash before the first save and `--resume latest` come back to step 2, not to a step
+    # whose records are gone.
+    data, out = uninterrupted[0], tmp_path / "run"
+    settings = dict(epochs=4, max_steps=10)
+    Trainer(config(llama_dir, data, out, **settings)).train()
+    assert os.readlink(out / "latest") == "final"
+    Trainer(config(llama_dir, data, out, **settings, resume=str(out / "checkpoint-2")))
+    assert "latest now names checkpoint-2 (it named final" in capsys.readouterr().out
+    assert os.readlink(out / "latest") == "checkpoint-2"
+    assert max(json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()) == 2
+    # Resumed again from there (`latest`), keeping two checkpoints: its saves at steps 4 and 6
+    # replace the old run's and prune checkpoint-2. The old run's checkpoint-8, past the step
+    # saved, is neither counted (which would delete the new checkpoint-4) nor deleted.
+    branch = Trainer(config(llama_dir, data, out, **settings, resume="latest", keep_checkpoints=2))
+    stop_after(branch, 8)  # two micro-batches a step: just after step 6's save
+    with pytest.raises(TrainingStopped):
+        branch.train()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-4", "checkpoint-6", "checkpoint-6-emergency", "checkpoint-8"]
+    for step in (4, 6):
+        assert json.loads((out / f"checkpoint-{step}" / "trainer_state.json").read_text())["run_id"] == branch.run_id
 
 
 def test_overwrite_replaces_only_the_old_runs_checkpoints_and_tokenizer(llama_dir, uninterrupted, tmp_path):
@@ -625,7 +652,7 @@ def test_pruning_hides_a_checkpoint_before_deleting_it(tmp_path, monkeypatch):
         (Path(path) / "adapters.safetensors").unlink()
 
     monkeypatch.setattr(shutil, "rmtree", killed_while_deleting)
-    checkpoint.prune_checkpoints(tmp_path, keep=1, run_id="run-a")
+    checkpoint.prune_checkpoints(tmp_path, keep=1, run_id="run-a", step=4)
     monkeypatch.undo()
     assert seen == [f".checkpoint-2.{os.getpid()}.deleted.tmp"]
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["checkpoint-4", "latest"]
