@@ -27,6 +27,9 @@ def resolve_model_path(name: str, revision: str = "") -> Path:
     """A local model directory as is, or a hub repo id downloaded (cached) via huggingface-hub."""
     path = Path(name).expanduser()
     if path.exists():
+        if revision:  # a local directory is whatever is checked out there
+            raise UserError(f"model.revision (--revision) {revision!r} applies to a hub repo id, but {path} is a local "
+                            "directory; drop --revision, or pass the repo id as --model")
         if not (path / "config.json").is_file():
             raise UserError(f"model directory {path} has no config.json; point --model at an mlx-lm/HF model directory")
         return path

@@ -88,6 +88,11 @@ def test_model_errors_are_one_line(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no config.json"):
         models.resolve_model_path(str(tmp_path / "empty"))
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match=r"model.revision \(--revision\) 'v2' applies to a hub repo id, but .*empty "
+                                        "is a local directory"):  # it was ignored without a word
+        models.resolve_model_path(str(tmp_path / "empty"), revision="v2")
+    assert models.resolve_model_path(str(tmp_path / "empty")) == tmp_path / "empty"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="not in the local hub cache|cannot download|not found") as err:
         models.resolve_model_path("someone-who-does-not-exist/tiny-model-xyz")
