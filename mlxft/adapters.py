@@ -63,6 +63,7 @@ class AdapterSpec:
     source: str = ""  # mlxft | mlx-lm | peft
     path: Path = Path(".")
     run_config: dict | None = None  # an mlxft run's config.yaml, when there is one
+    base_quantization: dict | None = None  # bits, group_size, dtype: how an mlxft run quantized a float base
 
     @property
     def alpha(self) -> float:
@@ -164,7 +165,8 @@ def _mlxft_spec(path: Path, meta: dict[str, str]) -> AdapterSpec:
             fine_tune_type=_fine_tune_type(meta["fine_tune_type"], where), rank=int(meta["rank"]),
             scale=float(meta["scale"]), dropout=float(meta["dropout"]), targets=list(targets),
             num_layers=int(meta["num_layers"]), model_type=meta.get("model_type", ""),
-            base_model=meta.get("base_model", ""), source="mlxft", path=path)
+            base_model=meta.get("base_model", ""), source="mlxft", path=path,
+            base_quantization=_base_quantization(meta.get("base_quantization"), where))
     except KeyError as err:
         raise UserError(f"{where}: the header lacks the LoRA entry {err}; the file is damaged") from err
     except (ValueError, TypeError) as err:
@@ -172,6 +174,41 @@ def _mlxft_spec(path: Path, meta: dict[str, str]) -> AdapterSpec:
     if not spec.base_model:  # runs written before the header recorded it
         spec.base_model = _read_optional_json(path / checkpoint.ADAPTER_CONFIG).get("base_model", "")
     return spec
+
+
+def _base_quantization(value, where: Path) -> dict | None:
+    """The ``base_quantization`` an mlxft adapter records (a JSON object, or its text in a
+    safetensors header), checked; None where there is none."""
+    if value is None:
+        return None
+    try:
+        recorded = json.loads(value) if isinstance(value, str) else value
+        bits, group_size, dtype = recorded["bits"], recorded["group_size"], recorded["dtype"]
+    except (ValueError, TypeError, KeyError) as err:
+        raise UserError(f"{where}: base_quantization must be an object with bits, group_size and dtype "
+                        f"({first_line(err)}); fix or remove it") from err
+    if bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128) or dtype not in ("auto", *models.DTYPES):
+        raise UserError(f"{where}: base_quantization {recorded} is not bits 2-8, group_size 32, 64 or 128 and a "
+                        "dtype mlxft knows; fix or remove it")
+    return {"bits": bits, "group_size": group_size, "dtype": dtype}
+
+
+def base_quantization(spec: AdapterSpec | None) -> dict | None:
+    """How the run behind ``spec`` quantized a float base on load (QLoRA): what the adapter
+    records, else (runs from before it did) its config.yaml's model section; None for a run on
+    the base as it is."""
+    if spec is None or spec.base_quantization or not spec.run_config:
+        return spec.base_quantization if spec is not None else None
+    section = spec.run_config.get("model") or {}
+    try:
+        bits, group_size = int(section.get("quantize") or 0), int(section.get("quantize_group_size") or 64)
+    except (AttributeError, TypeError, ValueError) as err:
+        raise UserError(f"{spec.path / checkpoint.CONFIG_FILE}: model.quantize and model.quantize_group_size "
+                        f"must be integers ({first_line(err)}); fix the file or remove it") from err
+    if not bits:
+        return None
+    recorded = section.get("dtype")
+    return {"bits": bits, "group_size": group_size, "dtype": recorded if recorded in ("auto", *models.DTYPES) else "auto"}
 
 
 def _read_optional_json(path: Path) -> dict:
@@ -214,7 +251,8 @@ def _mlx_lm_spec(path: Path, config: dict) -> AdapterSpec:
         fine_tune_type=fine_tune_type, rank=rank, scale=scale,
         dropout=_dropout(params, "dropout", where), targets=targets if fine_tune_type == "full" else [],
         num_layers=num_layers, model_type=str(config.get("model_type", "")),
-        base_model=str(config.get("base_model") or config.get("model") or ""), source="mlx-lm", path=path)
+        base_model=str(config.get("base_model") or config.get("model") or ""), source="mlx-lm", path=path,
+        base_quantization=_base_quantization(config.get("base_quantization"), where))
 
 
 def _read_peft(path: Path) -> tuple[dict[str, mx.array], AdapterSpec]:
@@ -524,16 +562,8 @@ def load_with_adapter(model: str | None, adapter: str | None, dtype: str = "auto
     the adapter on it, and take the tokenizer the run saved (else the base's)."""
     weights, spec = load_adapter_dir(adapter) if adapter else (None, None)
     name = base_model_name(model, spec)
-    quantize, group_size, run_dtype = 0, 64, dtype
-    if spec is not None and spec.run_config:
-        section = spec.run_config.get("model") or {}
-        try:
-            quantize, group_size = int(section.get("quantize") or 0), int(section.get("quantize_group_size") or 64)
-        except (AttributeError, TypeError, ValueError) as err:
-            raise UserError(f"{spec.path / checkpoint.CONFIG_FILE}: model.quantize and model.quantize_group_size "
-                            f"must be integers ({first_line(err)}); fix the file or remove it") from err
-        recorded = section.get("dtype")
-        run_dtype = recorded if recorded == "auto" or recorded in models.DTYPES else dtype
+    quantized = base_quantization(spec) or {"bits": 0, "group_size": 64, "dtype": dtype}
+    quantize, group_size, run_dtype = quantized["bits"], quantized["group_size"], quantized["dtype"]
     try:
         base, tokenizer, path, config = load_base(name, dtype, quantize, group_size, spec.path if spec else None,
                                                   quantize_dtype=run_dtype)
@@ -679,7 +709,8 @@ def write_mlx(weights: dict[str, mx.array], spec: AdapterSpec, out: Path, base_m
         if (spec.layers and spec.first_layer == 0) or (total is not None and num_layers > total):
             num_layers = -1
     metadata = checkpoint.adapter_metadata(spec.fine_tune_type, spec.rank, spec.alpha, spec.dropout, spec.targets,
-                                           num_layers, spec.model_type, base_model or spec.base_model)
+                                           num_layers, spec.model_type, base_model or spec.base_model,
+                                           base_quantization(spec))
     metadata["scale"] = repr(float(spec.scale))  # exactly the source's (alpha / rank may round)
     mx.save_safetensors(str(out / checkpoint.ADAPTER_FILE), weights, metadata=metadata)
     (out / checkpoint.ADAPTER_CONFIG).write_text(

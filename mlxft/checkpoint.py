@@ -118,9 +118,13 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def adapter_metadata(fine_tune_type: str, rank: int, alpha: float, dropout: float, targets: list[str],
-                     num_layers: int, model_type: str, base_model: str = "") -> dict[str, str]:
-    """The safetensors header entries (strings only) that describe an adapter file."""
-    return {
+                     num_layers: int, model_type: str, base_model: str = "",
+                     base_quantization: dict | None = None) -> dict[str, str]:
+    """The safetensors header entries (strings only) that describe an adapter file.
+    ``base_quantization`` (``bits``, ``group_size``, ``dtype``): how the run quantized a float
+    base on load (QLoRA), which the adapter belongs to as much as to the base's weights."""
+    quantization = {"base_quantization": json.dumps(base_quantization, sort_keys=True)} if base_quantization else {}
+    return {**quantization,
         "format": FORMAT,
         "fine_tune_type": fine_tune_type,
         "rank": str(rank),
@@ -145,7 +149,8 @@ def save_adapters(path: Path, model: nn.Module, metadata: dict[str, str]) -> Non
 
 def mlx_lm_adapter_config(metadata: dict[str, str]) -> dict:
     """``adapter_config.json`` in the shape mlx-lm's ``load_adapters`` reads (it ignores the
-    extra keys, which mlxft uses to find the base model and the LoRA alpha)."""
+    extra keys, which mlxft uses to find the base model, the LoRA alpha and how the run quantized
+    the base)."""
     config = {
         "base_model": metadata.get("base_model", ""),
         "alpha": float(metadata["alpha"]),
@@ -160,6 +165,8 @@ def mlx_lm_adapter_config(metadata: dict[str, str]) -> dict:
     targets = json.loads(metadata["target_modules"])
     if targets != ["*"]:
         config["lora_parameters"]["keys"] = targets
+    if metadata.get("base_quantization"):
+        config["base_quantization"] = json.loads(metadata["base_quantization"])
     return config
 
 

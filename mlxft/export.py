@@ -40,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def export(adapter, fmt: str, out, *, model: str = "", overwrite: bool = False) -> Path:
-    """Convert the adapter directory ``adapter`` into ``fmt`` under ``out``; return ``out``."""
+def export(adapter, fmt: str, out, *, model: str = "", overwrite: bool = False, say=print) -> Path:
+    """Convert the adapter directory ``adapter`` into ``fmt`` under ``out``; return ``out``.
+    ``say`` gets the note for an adapter trained on a base mlxft quantized on load (QLoRA),
+    which neither mlx-lm nor PEFT does for it."""
     from mlxft import adapters
     from mlxft.gguf import _check_destination, _write_atomically, check_output_apart
 
@@ -57,7 +59,20 @@ def export(adapter, fmt: str, out, *, model: str = "", overwrite: bool = False) 
     if fmt == "peft":
         adapters.require_adapter(spec, "PEFT export")  # refuse before creating anything
     _write_atomically(out, overwrite, lambda tmp: write(weights, spec, tmp, model or ""))
+    quantized = adapters.base_quantization(spec)
+    if quantized:
+        say(_quantized_base_note(quantized, fmt, model or spec.base_model or "BASE", out))
     return out
+
+
+def _quantized_base_note(quantized: dict, fmt: str, base: str, out: Path) -> str:
+    bits, group, dtype = quantized["bits"], quantized["group_size"], quantized["dtype"]
+    trained = f"note: this adapter was trained on {base} quantized on load to {bits} bits (group size {group}, {dtype})"
+    if fmt == "peft":
+        return f"{trained}; transformers loads the base as it is, so PEFT's outputs differ from the trained model's"
+    return (f"{trained}. mlxft's generate, evaluate and fuse do the same from {out}; mlx-lm loads --model as it is, "
+            f"so give it a copy quantized the same way: python -m mlx_lm convert --hf-path {base} --mlx-path "
+            f"BASE-{bits}bit -q --q-bits {bits} --q-group-size {group} --dtype {dtype}")
 
 
 @run_cli

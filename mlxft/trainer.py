@@ -617,8 +617,12 @@ class Trainer:
     def adapter_metadata(self) -> dict[str, str]:
         a = self.config.adapter
         layers = len(lora.selected_layers(self.model, a.num_layers))
+        m = self.config.model
+        # The dtype it was quantized in, resolved: "auto" would resolve on the machine loading it.
+        dtype = next(name for name, d in models.DTYPES.items() if d == models.resolve_dtype(m.dtype))
+        quantized = {"bits": m.quantize, "group_size": m.quantize_group_size, "dtype": dtype} if m.quantize else None
         return checkpoint.adapter_metadata(a.finetune, a.rank, a.alpha, a.dropout, self.targets, layers,
-                                           models.family(self.model), self.config.model.model)
+                                           models.family(self.model), m.model, quantized)
 
     def training_state(self) -> dict:
         c = self.config

@@ -341,3 +341,46 @@ def test_peft_config_without_lora_alpha_uses_peft_default(tmp_path):
     peft_dir = _peft_dir(tmp_path / "peft", 4, {"target_modules": ["q_proj"]}, mods=(("self_attn.q_proj", 64),))
     _, spec = adapters.load_adapter_dir(peft_dir)
     assert spec.scale == pytest.approx(8 / 4)  # peft.LoraConfig(lora_alpha=8 by default).lora_alpha / r
+
+
+def test_a_qlora_run_exported_for_mlx_lm_keeps_its_quantized_base(llama_dir, runs_root, tmp_path):
+    # The run quantized a float base on load; mlx-lm's layout has no field for that, so the
+    # export used to load onto the float base in mlxft and say nothing about mlx-lm.
+    from mlx_lm.tuner.utils import load_adapters
+
+    from mlxft import RunConfig, Trainer, models
+    from adapter_runs import data_dir
+
+    run = tmp_path / "qlora"
+    Trainer(RunConfig.from_dict({
+        "model": {"model": str(llama_dir), "quantize": 4, "quantize_group_size": 32},
+        "data": {"data": str(data_dir(runs_root))}, "optim": {"learning_rate": 2e-2, "warmup_steps": 0},
+        "train": {"output_dir": str(run), "batch_size": 4, "max_steps": 2, "log_every": 100}})).train()
+    recorded = {"bits": 4, "dtype": "float32", "group_size": 32}
+    assert json.loads((run / "adapter_config.json").read_text())["base_quantization"] == recorded
+    trained = logits(adapters.load_with_adapter(None, str(run)).model)
+
+    notes = []
+    out = export(run, "mlx-lm", tmp_path / "mlx-lm", say=notes.append)
+    assert not (out / "config.yaml").exists()  # nothing of the run's own config travels
+    assert json.loads((out / "adapter_config.json").read_text())["base_quantization"] == recorded
+    assert notes and "quantized on load to 4 bits (group size 32, float32)" in notes[0]
+    assert "-q --q-bits 4 --q-group-size 32 --dtype float32" in notes[0]
+    assert max_rel_diff(logits(adapters.load_with_adapter(None, str(out)).model), trained) < 1e-6
+    base, _, _, _ = models.load(str(llama_dir), "float32", 4, 32)  # what the note's conversion gives mlx-lm
+    load_adapters(base, str(out))
+    assert max_rel_diff(logits(base), trained) < 1e-5
+
+    peft_notes = []
+    export(run, "peft", tmp_path / "peft", say=peft_notes.append)
+    assert "transformers loads the base as it is" in peft_notes[0]
+    quiet = []
+    export(synthetic_run(runs_root, llama_dir), "mlx-lm", tmp_path / "plain", say=quiet.append)
+    assert quiet == []
+    damaged = tmp_path / "damaged"  # an mlx-lm layout, whose adapter_config.json mlxft reads
+    shutil.copytree(mlx_lm_run(runs_root, llama_dir), damaged)
+    config = json.loads((damaged / "adapter_config.json").read_text())
+    (damaged / "adapter_config.json").write_text(json.dumps({**config, "base_quantization": {"bits": 4}}))
+    with pytest.raises(UserError, match="adapter_config.json: base_quantization must be an object with bits, "
+                                        "group_size and dtype"):
+        adapters.load_adapter_dir(damaged)
