@@ -415,8 +415,10 @@ def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, 
     return kind, head + tail, mask
 
 
-def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bool = True, prompt_format: str = "auto") -> Dataset:
-    """Tokenize every row once; truncate long rows and skip rows with nothing supervised."""
+def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bool = True, prompt_format: str = "auto",
+                 warn: bool = True) -> Dataset:
+    """Tokenize every row once; truncate long rows and skip rows with nothing supervised, saying
+    so on stderr unless not ``warn`` (a data-parallel run's other ranks)."""
     examples: list[Example] = []
     kinds: set[str] = set()
     truncated = skipped = 0
@@ -435,10 +437,10 @@ def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bo
     kind = _one_shape(path, kinds)
     if not examples:
         raise UserError(f"{path}: no row has a supervised token (all {skipped} rows skipped); check completions / assistant turns")
-    if truncated:
+    if truncated and warn:
         print(f"warning: {path}: {truncated} of {len(examples) + skipped} rows were longer than "
               f"max_seq_length={max_seq_length} and were truncated", file=sys.stderr)
-    if skipped:
+    if skipped and warn:
         print(f"warning: {path}: skipped {skipped} rows with no supervised token", file=sys.stderr)
     return Dataset(path, examples, kind, truncated, skipped)
 

@@ -196,7 +196,7 @@ class _Watchdog:
     def _send(self, byte: bytes, wait: bool = False) -> None:
         """Write one byte; a beat may be dropped on a full pipe (which wakes the watchdog anyway),
         a pause or resume waits (briefly: the watchdog drains the pipe)."""
-        os.set_blocking(self._write, not wait)
+        os.set_blocking(self._write, wait)
         try:
             os.write(self._write, byte)
         except (BlockingIOError, BrokenPipeError):  # broken: the watchdog has ended

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 from mlxft import _blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, normed, packing
 from mlxft.config import RunConfig, validate
@@ -91,6 +91,14 @@ def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = 
                         "choose another --output-dir or pass --overwrite")
 
 
+def dropout_seed(seed: int, epoch: int, micro_batch: int, world: distributed.World) -> int:
+    """The random seed a micro-batch's dropout draws from: a function of its position alone, so
+    a resumed run draws the same noise; and of the rank, since each rank's share of the rows
+    would otherwise repeat the masks of every other rank's."""
+    position = [seed, epoch, micro_batch] + ([world.rank] if world.size > 1 else [])
+    return int(np.random.SeedSequence(position).generate_state(1)[0])
+
+
 class Trainer:
     """One training run from a resolved :class:`RunConfig`.
 
@@ -120,9 +128,10 @@ class Trainer:
         if datasets is None:
             self.train_file, self.valid_file = data.resolve_files(
                 builtin.resolve(config.data.data), config.data.train_file, config.data.valid_file)
-            for path in (self.train_file, self.valid_file):
-                if path is not None:
-                    data.check_file(path)
+            with self.world.local_work():  # reading a large file may take longer than --dist-timeout
+                for path in (self.train_file, self.valid_file):
+                    if path is not None:
+                        data.check_file(path)
         else:
             self.train_file = datasets[0].path
             self.valid_file = datasets[1].path if datasets[1] is not None else None
@@ -149,7 +158,8 @@ class Trainer:
         self.world.heartbeat()
 
         load = partial(data.load_dataset, tokenizer=tokenizer, max_seq_length=config.data.max_seq_length,
-                       completion_only=config.data.completion_only, prompt_format=config.data.prompt_format)
+                       completion_only=config.data.completion_only, prompt_format=config.data.prompt_format,
+                       warn=self.world.is_main)
         if datasets is None:
             with self.world.local_work():  # so may tokenizing a large dataset
                 self.train_set = load(self.train_file)
@@ -408,7 +418,7 @@ class Trainer:
         self.window_queued_at = self.window_queued_at or time.perf_counter()
         batch = self.batch(self.train_set, batches[i])
         # Dropout noise is a function of the position alone, so a resumed run draws the same.
-        mx.random.seed(int(np.random.SeedSequence([self.config.train.seed, self.epoch, i]).generate_state(1)[0]))
+        mx.random.seed(dropout_seed(self.config.train.seed, self.epoch, i, self.world))
         result, self.window = self.step(batch.arrays(), self.window, update, self.scaler.array)
         mx.async_eval(self.step.state, result.loss_sum, result.tokens, self.window)
         if self.in_flight is not None:
@@ -696,14 +706,16 @@ class Trainer:
         optimizer = dict(saved["optimizer"])
         self.optimizer.init(self.model.trainable_parameters())
         self.optimizer.state.update(tree_unflatten(list(optimizer.items())))  # in place: the step holds this dict
-        if saved["window"] is not None:
+        if saved["window"] is not None:  # only a one-process run stops inside a window
             window = dict(saved["window"])
             loss_sum, tokens = window.pop("mlxft.loss_sum"), window.pop("mlxft.tokens")
             # Rebuild the gradient tree on the parameters' own structure (it has empty containers).
             grads = tree_map_with_path(lambda name, _: window[name], self.model.trainable_parameters())
             self.window = (grads, loss_sum, tokens)
+            if self.world.rank > 0:  # resumed on several ranks: the step sums the ranks' windows, so one holds it
+                self.window = tree_map(mx.zeros_like, self.window)
         self.step_count, self.epoch, self.batch_index = state["step"], state["epoch"], state["batch_index"]
-        self.window_real_tokens = state["window_real_tokens"]
+        self.window_real_tokens = state["window_real_tokens"] if self.world.rank == 0 else 0  # summed over ranks too
         self.skipped_steps, self.nonfinite_streak = state["skipped_steps"], state["nonfinite_streak"]
         self.best_val_loss, self.last_val_loss = state["best_val_loss"], state["last_val_loss"]
         self.scaler.load(state["loss_scaler"])

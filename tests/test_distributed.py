@@ -127,6 +127,42 @@ def test_interrupted_distributed_run_resumes_exactly(llama_dir, uneven_data, tmp
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
+def test_a_one_process_checkpoint_inside_a_window_resumes_on_two_ranks(llama_dir, uneven_data, tmp_path):
+    """Only a one-process run stops inside an accumulation window. Resumed on two ranks, each
+    restored the window and the step summed both: the micro-batches before the stop counted twice."""
+    from mlxft import config as cfg
+    from mlxft.train import parser
+    from mlxft.trainer import TrainingStopped
+
+    def run_config(out, *extra):
+        argv = [str(a) for a in train_args(llama_dir, uneven_data, out, "--grad-accum-steps", 2, *extra)[2:]]
+        return cfg.resolve(parser().parse_args(argv), None)
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    Trainer(run_config(full, "--backend", "none")).train()
+    stopped = Trainer(run_config(part, "--backend", "none"))
+    first_micro_batch = stopped._micro_step
+
+    def then_stop(batches):
+        first_micro_batch(batches)
+        stopped.stop.request(signal.SIGTERM)
+
+    stopped._micro_step = then_stop
+    with pytest.raises(TrainingStopped):
+        stopped.train()
+    assert (part / "checkpoint-0-emergency" / "window.safetensors").is_file()
+    results = launch(tmp_path, train_args(llama_dir, uneven_data, part, "--grad-accum-steps", 2, "--resume", "latest"))
+    assert [r[0] for r in results] == [0, 0], [r[2][-800:] for r in results]
+    expected, got = adapters(full), adapters(part)
+    for name in expected:
+        rel = np.linalg.norm(got[name] - expected[name]) / np.linalg.norm(expected[name])
+        assert rel < 1e-4, (name, rel)
+    first, resumed = ([r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"][0]
+                      for run in (full, part))
+    assert resumed["step"] == first["step"] == 1 and resumed["loss"] == pytest.approx(first["loss"], rel=1e-5)
+    assert resumed["tokens_per_sec"] * resumed["seconds"] == pytest.approx(first["tokens_per_sec"] * first["seconds"])
+
+
 def test_missing_peer_fails_within_the_timeout(llama_dir, uneven_data, tmp_path):
     tic = time.monotonic()
     results = launch(tmp_path, train_args(llama_dir, uneven_data, tmp_path / "run", "--dist-timeout", 4), start=[0],
@@ -238,6 +274,67 @@ def test_watchdog_pauses_for_local_work_only():
     finally:
         victim.kill()
         world.close()
+
+
+def test_pause_and_resume_wait_on_a_full_pipe_and_beats_do_not():
+    """A dropped pause lets the watchdog kill a rank in long local work; a dropped resume turns
+    it off. A beat may be dropped: a full pipe wakes the watchdog anyway."""
+    victim = subprocess.Popen(["sleep", "30"])
+    watchdog = distributed._Watchdog(0, "ring", 60, parent=victim.pid)
+    try:
+        for send, blocking in ((watchdog.pause, True), (watchdog.beat, False), (watchdog.resume, True)):
+            send()
+            assert os.get_blocking(watchdog._write) is blocking, send.__name__
+    finally:
+        watchdog.stop()
+        victim.kill()
+
+
+def test_reading_the_data_files_counts_as_local_work(uneven_data, monkeypatch):
+    """Checking a large JSONL file takes as long as it takes on each rank (4.9 s for 82 MB)."""
+    from mlxft import data
+
+    world = distributed.World()
+    depth = []
+
+    def check_file(path):
+        depth.append(world._local_depth)
+        if len(depth) == 2:
+            raise RuntimeError("checked both")
+
+    monkeypatch.setattr(data, "check_file", check_file)
+    config = RunConfig.from_dict({"model": {"model": "unused"}, "data": {"data": str(uneven_data)},
+                                  "train": {"output_dir": str(uneven_data / "unused")}})
+    with pytest.raises(RuntimeError, match="checked both"):
+        Trainer(config, world=world)
+    assert depth == [1, 1] and world._local_depth == 0
+
+
+def test_each_rank_draws_its_own_dropout_and_only_rank_0_warns(llama_dir, tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace as Ranks
+
+    from mlxft import data
+    from mlxft.trainer import dropout_seed
+
+    one = distributed.World()
+    # One process: as before ranks existed, so its checkpoints resume with the same noise.
+    assert dropout_seed(3, 1, 5, one) == int(np.random.SeedSequence([3, 1, 5]).generate_state(1)[0])
+    seeds = {dropout_seed(3, 1, 5, Ranks(rank=r, size=2)) for r in (0, 1)}
+    assert len(seeds) == 2 and dropout_seed(3, 1, 6, Ranks(rank=0, size=2)) not in seeds
+
+    rows = [{"prompt": "q", "completion": "a " * 40}, {"prompt": "q", "completion": "a"}]  # one too long
+    write_jsonl(tmp_path / "data" / "train.jsonl", rows)
+    warned = []
+    load = data.load_dataset
+    monkeypatch.setattr(data, "load_dataset", lambda *args, **kwargs: warned.append(kwargs["warn"]) or load(*args, **kwargs))
+    second = distributed.World()
+    second.rank = 1  # the other rank of a two-rank run, as far as the trainer's data loading goes
+    config = RunConfig.from_dict({"model": {"model": str(llama_dir)}, "data": {"data": str(tmp_path / "data"),
+                                  "max_seq_length": 24}, "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1}})
+    Trainer(config, world=second)
+    assert warned == [False] and "warning" not in capsys.readouterr().err
+    Trainer(config, world=one)
+    assert "1 of 2 rows were longer than max_seq_length=24 and were truncated" in capsys.readouterr().err
 
 
 def test_exact_match_generation_counts_as_local_work(uneven_data, monkeypatch):
