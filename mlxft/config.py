@@ -140,11 +140,15 @@ class OptimConfig:
 
     optimizer: str = _opt("adamw", "Optimizer from mlx.optimizers.", ("adamw", "adam", "sgd"))
     learning_rate: float = _opt(1e-4, "Peak learning rate.")
-    min_learning_rate: float = _opt(0.0, "Learning rate at the last step for linear and cosine schedules.")
+    min_learning_rate: float = _opt(
+        0.0, "Where linear and cosine schedules decay to, one step after the last (so every step trains).")
     schedule: str = _opt("cosine", "Decay after warmup.", ("constant", "linear", "cosine"))
     warmup_steps: int = _opt(0, "Linear warmup from 0 over this many optimizer steps.")
     weight_decay: float = _opt(0.0, "Decoupled weight decay (AdamW) or L2 (SGD).")
     momentum: float = _opt(0.0, "SGD momentum.")
+    bias_correction: bool = _opt(
+        False, "Adam(W) bias correction, as PyTorch's AdamW has it. Off, as in MLX and mlx-lm, the first "
+        "few hundred updates are up to 6x larger at the same learning rate.")
     max_grad_norm: float = _opt(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
     label_smoothing: float = _opt(0.0, "Label smoothing of the cross-entropy, in [0, 1).")
     max_nonfinite_steps: int = _opt(
@@ -441,6 +445,7 @@ def validate(config: RunConfig) -> None:
     need(o.optimizer != "adam" or o.weight_decay == 0, "optim.weight_decay", "Adam has no weight decay; use --optimizer adamw")
     need(0 <= o.momentum < 1, "optim.momentum", f"must be in [0, 1), got {o.momentum}")
     need(o.momentum == 0 or o.optimizer == "sgd", "optim.momentum", "applies to --optimizer sgd only")
+    need(not o.bias_correction or o.optimizer != "sgd", "optim.bias_correction", "applies to --optimizer adamw or adam only")
     need(o.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0 (0 disables clipping)")
     need(0 <= o.label_smoothing < 1, "optim.label_smoothing", "must be in [0, 1)")
     need(t.epochs >= 1 or t.max_steps >= 1, "train.epochs", f"must be >= 1 unless --max-steps is set, got {t.epochs}")

@@ -458,7 +458,7 @@ class Trainer:
         for n, done in enumerate(steps):
             self._account(done)
             limit = self.config.optim.max_nonfinite_steps
-            if limit and self.nonfinite_streak >= limit and self.scaler.scale <= 1.0:
+            if limit and self.nonfinite_streak >= limit:
                 streak = self.nonfinite_streak
                 stopped = [done, *steps[n + 1:], *self.pending]  # queued behind it: the checkpoint holds them
                 for k, step in enumerate(stopped):
@@ -469,8 +469,9 @@ class Trainer:
                     self._log_step(step, force=k == len(stopped) - 1)
                 self.pending = []
                 path = self.save_checkpoint("emergency")
+                floor = " at the loss scale's floor of 1" if self.scaler.enabled else ""
                 raise TrainingStopped(
-                    f"gradients were not finite for {streak} steps in a row (step {done.step}); saved {path}. "
+                    f"gradients were not finite for {streak} steps in a row{floor} (step {done.step}); saved {path}. "
                     "Lower --learning-rate, set --max-grad-norm, or check the data, then --resume latest", 1, path)
             later = steps[n + 1:] + self.pending
             self._after_step(done, later[0].queued_at if later else self.window_queued_at)
@@ -479,6 +480,8 @@ class Trainer:
         """Read one optimizer step's results: loss, tokens, whether it applied."""
         result = done.result
         applied = bool(result.applied.item())
+        # The scale this step ran at: a float16 step is read before the next is queued.
+        ran_at = self.scaler.scale
         self.scaler.update(applied)
         real_tokens = done.real_tokens
         if self.world.size > 1:  # loss and supervised tokens come back global from the step
@@ -489,7 +492,9 @@ class Trainer:
         self._check_memory_limit()
         if not applied:
             self.skipped_steps += 1
-            self.nonfinite_streak += 1
+            # An overflow above the scale's floor is the scaler's business (it halves the
+            # scale); only steps that fail at the floor count towards --max-nonfinite-steps.
+            self.nonfinite_streak += ran_at <= 1.0
             self.reporter.info(f"step {done.step}: gradient norm is not finite; update skipped"
                                + (f" (loss scale now {self.scaler.scale:g})" if self.scaler.enabled else ""))
         else:

@@ -401,6 +401,29 @@ def test_non_finite_streak_stops_with_an_emergency_checkpoint(llama_dir, uninter
     assert [r["step"] for r in records if r["type"] == "train"] == list(range(1, saved_at + 1))
 
 
+def test_float16_counts_only_steps_that_fail_at_the_loss_scales_floor(llama_dir, uninterrupted, tmp_path):
+    # The streak counted the overflows that halve the scale, and stopped as the scale reached
+    # 1, without one step run at 1: from 2**15, after 15 steps for a limit of 3.
+    cfg = config(llama_dir, uninterrupted[0], tmp_path / "run", grad_accum_steps=1, save_every=0, memory_estimate=False)
+    cfg.model.dtype, cfg.optim.max_nonfinite_steps = "float16", 3
+    trainer = Trainer(cfg)
+    trainer.scaler.scale, trainer.scaler._array = 4.0, mx.array(4.0)
+    original, scales = trainer.step, []
+
+    def overflowing(batch, window, update, scale):
+        scales.append(scale.item())
+        result, window = original(batch, window, update, scale)
+        result.applied = mx.array(False)
+        return result, window
+
+    overflowing.state = original.state
+    trainer.step = overflowing
+    with pytest.raises(TrainingStopped, match="not finite for 3 steps in a row at the loss scale's floor of 1 "
+                                              r"\(step 5\)"):
+        trainer.train()
+    assert scales == [4.0, 2.0, 1.0, 1.0, 1.0] and trainer.skipped_steps == 5
+
+
 def test_a_half_precision_window_from_an_older_checkpoint_resumes_in_float32(llama_dir, uninterrupted, tmp_path):
     """mlxft once saved a float16 run's open window in float16; now it sums gradients in float32.
     Such a checkpoint resumes with its window widened as it was saved, and trains to the end."""

@@ -208,6 +208,21 @@ def test_every_step_trains(schedule):
         assert rates == sorted(rates, reverse=True)
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "adam"])
+def test_adam_bias_correction_is_mlx_lms_by_default_and_pytorchs_on_request(optimizer):
+    """A constant gradient of 1: the first update is lr * (1 - b1) / sqrt(1 - b2) = 3.16 lr as MLX
+    and mlx-lm compute it, and lr exactly with bias correction (as PyTorch's AdamW)."""
+    first_updates = []
+    for corrected in (False, True):
+        opt = build_optimizer(OptimConfig(optimizer=optimizer, learning_rate=1e-3, warmup_steps=0,
+                                          schedule="constant", bias_correction=corrected), total_steps=10)
+        params = {"w": mx.zeros((3,))}
+        opt.init(params)
+        first_updates.append(-opt.apply_gradients({"w": mx.ones((3,))}, params)["w"][0].item())
+    assert first_updates[0] == pytest.approx(1e-3 * 0.1 / math.sqrt(0.001), rel=1e-3)
+    assert first_updates[1] == pytest.approx(1e-3, rel=1e-3)
+
+
 def test_optimizer_step_k_uses_rate_k():
     cfg = OptimConfig(optimizer="sgd", learning_rate=0.1, warmup_steps=3, schedule="linear")
     opt = build_optimizer(cfg, total_steps=6)

@@ -259,6 +259,7 @@ def resolve_cli(*args, config_path=None):
         (["--optimizer", "sgd", "--momentum", "-1"], "optim.momentum: must be in [0, 1)"),
         (["--optimizer", "sgd", "--momentum", "1"], "optim.momentum: must be in [0, 1)"),
         (["--momentum", "0.9"], "optim.momentum: applies to --optimizer sgd only"),  # AdamW would ignore it
+        (["--optimizer", "sgd", "--bias-correction"], "optim.bias_correction: applies to --optimizer adamw or adam only"),
         # Integers past what MLX takes (shapes, indices, seeds) had passed, then failed in a traceback.
         (["--seed", "-1"], "train.seed: must be 0 to 2**64-1"),
         (["--seed", str(2**64)], "train.seed: must be 0 to 2**64-1"),
