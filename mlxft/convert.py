@@ -11,11 +11,11 @@ import argparse
 import logging
 import sys
 
-from mlxft.errors import run_cli
+from mlxft.errors import CliParser, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="python -m mlxft.convert",
         description=(
             "Convert a Llama-family GGUF (llama.cpp format) into an mlx-lm model directory "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
+import os
 import sys
 import traceback
 from typing import Callable
@@ -17,6 +19,14 @@ class UserError(Exception):
 
 
 EXIT_USER_ERROR = 2
+
+
+class CliParser(argparse.ArgumentParser):
+    """The parser of every mlxft command line."""
+
+    def error(self, message: str):
+        # The house one-line error, not argparse's usage block (train's lists ~50 options).
+        self.exit(EXIT_USER_ERROR, f"error: {message} ({self.prog} --help lists the options)\n")
 
 
 def first_line(err: BaseException) -> str:
@@ -45,5 +55,15 @@ def run_cli(main: Callable[[list[str] | None], int | None]) -> Callable[[list[st
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
+        except MemoryError as err:  # NumPy's, for a batch no machine holds (MLX's are reported where they happen)
+            if debug:
+                traceback.print_exc()
+            print(f"error: out of memory ({first_line(err)}); lower --batch-size or --max-seq-length",
+                  file=sys.stderr)
+            return EXIT_USER_ERROR
+        except BrokenPipeError:  # the reader of standard output went away (``| head``)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so exiting flushes nowhere, quietly
+            print("error: standard output was closed; stopping", file=sys.stderr)
+            return 1
 
     return wrapper

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxft.adapters import add_model_arguments
-from mlxft.errors import UserError, run_cli
+from mlxft.config import MAX_COUNT, DataConfig, TrainConfig
+from mlxft.errors import CliParser, UserError, run_cli
 
 
 @dataclass
@@ -30,21 +31,25 @@ class Evaluation:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="python -m mlxft.evaluate",
         description="Token-weighted loss and perplexity of a base model, with an optional adapter, on a JSONL set.")
     add_model_arguments(parser)
     parser.add_argument("--data", required=True,
                         help="a JSONL file, or a directory holding test.jsonl (else valid.jsonl)")
-    parser.add_argument("--batch-size", type=int, default=4, help="rows per forward pass (default 4)")
+    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
+                        help=f"rows per forward pass (default {TrainConfig.batch_size})")
     # These three default to what an mlxft run recorded, so its adapter is scored on rows
     # encoded as its training encoded them; otherwise to the trainer's own defaults.
     parser.add_argument("--max-seq-length", type=int, default=None,
-                        help="truncate rows to this many tokens (default: the run's, else 2048)")
+                        help="truncate rows to this many tokens "
+                             f"(default: the run's, else {DataConfig.max_seq_length})")
     parser.add_argument("--completion-only", action=argparse.BooleanOptionalAction, default=None,
-                        help="score only completions / assistant turns (default: the run's, else yes)")
+                        help="score only completions / assistant turns (default: the run's, else "
+                             f"{'yes' if DataConfig.completion_only else 'no'})")
     parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default=None,
-                        help="how prompt/completion rows are rendered (default: the run's, else auto)")
+                        help="how prompt/completion rows are rendered "
+                             f"(default: the run's, else {DataConfig.prompt_format})")
     parser.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0 = all)")
     parser.add_argument("--loss-chunk", type=int, default=0,
                         help="score this many tokens' logits at a time, for less memory (0 = all at once)")
@@ -66,45 +71,60 @@ def data_file(data: str) -> Path:
     return path
 
 
-def evaluate(model, tokenizer, path, *, batch_size: int = 4, max_seq_length: int = 2048, completion_only: bool = True,
-             prompt_format: str = "auto", max_batches: int = 0, bucket: int = 8, loss_chunk: int = 0) -> Evaluation:
+def check_counts(batch_size: int, max_seq_length: int | None, max_batches: int, loss_chunk: int) -> None:
+    """Refuse counts no evaluation can use (``None``: not given), naming the flag; bounded as
+    training bounds its counts, as past MAX_COUNT they fail in NumPy or MLX with a traceback."""
+    for flag, value, least in (("--batch-size", batch_size, 1), ("--max-seq-length", max_seq_length, 2),
+                               ("--max-batches", max_batches, 0), ("--loss-chunk", loss_chunk, 0)):
+        if value is not None and not least <= value <= MAX_COUNT:
+            raise UserError(f"{flag} must be {least} to {MAX_COUNT:,}{' (0 = all)' if least == 0 else ''}, "
+                            f"got {value:,}")
+
+
+def evaluate(model, tokenizer, path, *, batch_size: int = TrainConfig.batch_size,
+             max_seq_length: int = DataConfig.max_seq_length, completion_only: bool = DataConfig.completion_only,
+             prompt_format: str = DataConfig.prompt_format, max_batches: int = 0, bucket: int = 8,
+             loss_chunk: int = 0) -> Evaluation:
     """Token-weighted mean loss over the rows of ``path`` (and its perplexity, exp(loss))."""
     import mlx.core as mx
 
     from mlxft import data
     from mlxft.loss import evaluation_loss
 
-    if batch_size < 1 or max_seq_length < 2 or max_batches < 0 or loss_chunk < 0:
-        raise UserError("--batch-size must be >= 1, --max-seq-length >= 2, --max-batches >= 0 and --loss-chunk >= 0 "
-                        "(0 = all)")
+    check_counts(batch_size, max_seq_length, max_batches, loss_chunk)
     path = Path(path)
     dataset = data.load_dataset(path, tokenizer, max_seq_length, completion_only, prompt_format)
     model.eval()
-    loss_sum, tokens = mx.array(0.0), mx.array(0.0)
+    loss_sum, tokens, rows = mx.array(0.0), mx.array(0.0), 0
     for indices in data.epoch_batches(dataset.lengths, batch_size, 0, 0, shuffle=False, max_batches=max_batches):
         batch = data.make_batch([dataset.examples[j] for j in indices], batch_size, bucket)
         loss, ntokens = evaluation_loss(model, *batch.arrays(), chunk=loss_chunk)
         loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
         mx.eval(loss_sum, tokens)
+        rows += len(indices)  # --max-batches may stop short of the whole set
     count = int(tokens.item())
     if count == 0:  # a loss of 0 and perplexity of 1 would read as a perfect model
         raise UserError(f"{path}: no token was scored (no row has a supervised token); "
                         "give rows with completions or assistant turns, or pass --no-completion-only")
     loss = loss_sum.item() / count
-    return Evaluation(loss, math.exp(min(loss, 700.0)), count, len(dataset), path)
+    return Evaluation(loss, math.exp(min(loss, 700.0)), count, rows, path)
 
 
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_counts(args.batch_size, args.max_seq_length, args.max_batches, args.loss_chunk)  # before loading the model
     path = data_file(args.data)
     from mlxft.adapters import load_with_adapter, run_setting
 
     loaded = load_with_adapter(args.model, args.adapter, args.dtype)
     result = evaluate(loaded.model, loaded.tokenizer, path, batch_size=args.batch_size,
-                      max_seq_length=run_setting(loaded.spec, "max_seq_length", args.max_seq_length, 2048),
-                      completion_only=run_setting(loaded.spec, "completion_only", args.completion_only, True),
-                      prompt_format=run_setting(loaded.spec, "prompt_format", args.prompt_format, "auto"),
+                      max_seq_length=run_setting(loaded.spec, "max_seq_length", args.max_seq_length,
+                                                 DataConfig.max_seq_length),
+                      completion_only=run_setting(loaded.spec, "completion_only", args.completion_only,
+                                                  DataConfig.completion_only),
+                      prompt_format=run_setting(loaded.spec, "prompt_format", args.prompt_format,
+                                                DataConfig.prompt_format),
                       max_batches=args.max_batches, loss_chunk=args.loss_chunk)
     if args.json:
         print(json.dumps({"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,

@@ -16,13 +16,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from mlxft.errors import UserError, run_cli
+from mlxft.errors import CliParser, UserError, run_cli
 
 FORMATS = ("peft", "mlx-lm")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="python -m mlxft.export",
         description="Convert an adapter directory (mlxft run, mlx-lm or PEFT) into PEFT's or mlx-lm's layout.")
     parser.add_argument("--adapter", required=True, metavar="DIR",

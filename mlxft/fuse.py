@@ -13,11 +13,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from mlxft.errors import UserError, run_cli
+from mlxft.errors import CliParser, UserError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="python -m mlxft.fuse",
         description="Merge LoRA / DoRA adapters (or a full fine-tune's weights) into the base model and write "
                     "a model directory (config.json, safetensors shards, tokenizer) that mlx_lm.load and "

@@ -15,11 +15,11 @@ import sys
 from typing import Iterator
 
 from mlxft.adapters import add_model_arguments
-from mlxft.errors import UserError, run_cli
+from mlxft.errors import CliParser, UserError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="python -m mlxft.generate",
         description="Generate text from a base model with an adapter (mlxft run, mlx-lm or PEFT), streaming it.")
     add_model_arguments(parser)

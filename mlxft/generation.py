@@ -49,6 +49,10 @@ def prompt_ids(tokenizer, messages: list[dict], prompt_format: str = "auto") -> 
             raise UserError(f"the chat template rejected the prompt's messages ({first_line(err)}); "
                             "leave out --system if the template takes none, or use --prompt-format raw") from err
         return list(tokenizer.encode(text, add_special_tokens=False))
+    if len(messages) > 1:  # the raw format has no place for them: a system message would go unread
+        raise UserError("--system needs the chat template, but the prompt is rendered raw (--prompt-format raw, the "
+                        "run's recorded format, or a tokenizer without a template); drop --system or use "
+                        "--prompt-format chat")
     ids = list(tokenizer.encode(messages[-1]["content"], add_special_tokens=True)) if messages else []
     if not ids:
         raise UserError("the prompt is empty and the raw format adds nothing to it; give a prompt to continue")

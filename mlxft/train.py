@@ -7,17 +7,11 @@ import sys
 from pathlib import Path
 
 from mlxft import config as cfg  # the package import preloads an optimized BLAS before MLX is imported
-from mlxft.errors import run_cli
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # The house one-line error, not argparse's usage block (which lists ~50 options).
-        self.exit(2, f"error: {message} ({self.prog} --help lists the options)\n")
+from mlxft.errors import CliParser, UserError, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = CliParser(
         prog="python -m mlxft.train",
         description="Fine-tune an mlx-lm model (LoRA, DoRA or full) on JSONL data. "
         "Flags override --config, which overrides the defaults.",
@@ -37,8 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     config_path = args.config
     given = ("model.model", "data.data", "data.train_file", "data.valid_file")
     if not config_path and not any(hasattr(args, name) for name in given):
-        config_path = DEFAULT_JOB  # no model, data or config given: the built-in default job
-        print(f"no --model/--data/--config given: running the default job ({DEFAULT_JOB.name})")
+        if hasattr(args, "train.resume"):  # continue the run with its own settings, not the default job's
+            config_path = _checkpoint_config(args)
+            print(f"no --model/--data/--config given: resuming with the checkpoint's settings ({config_path})")
+        else:
+            config_path = DEFAULT_JOB  # no model, data or config given: the built-in default job
+            print(f"no --model/--data/--config given: running the default job ({DEFAULT_JOB.name})")
     config = cfg.resolve(args, config_path)
     if config_path == DEFAULT_JOB and not hasattr(args, "train.overwrite"):
         # The job's `overwrite: true` lets it re-run into its own runs/default; a directory the
@@ -61,6 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"done: {result.steps} steps, train loss {result.train_loss if result.train_loss is not None else float('nan'):.4f}"
           + (f", val loss {result.val_loss:.4f}" if result.val_loss is not None else "") + f" -> {result.run_dir}")
     return 0
+
+
+def _checkpoint_config(args) -> Path:
+    """The config.yaml of the checkpoint ``--resume`` names; without ``--output-dir`` the run
+    continues in the directory that holds it (``latest`` is looked for in the default one)."""
+    from mlxft import checkpoint
+
+    resume = getattr(args, "train.resume")
+    found = checkpoint.resolve_checkpoint(resume, Path(getattr(args, "train.output_dir", cfg.TrainConfig.output_dir)))
+    if not hasattr(args, "train.output_dir"):
+        setattr(args, "train.output_dir", str(found.parent))
+    path = found / checkpoint.CONFIG_FILE
+    if not path.is_file():
+        raise UserError(f"--resume {resume}: {found} has no {checkpoint.CONFIG_FILE} to take the run's settings from; "
+                        "pass --config or --model and --data")
+    return path
 
 
 if __name__ == "__main__":

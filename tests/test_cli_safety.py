@@ -150,3 +150,45 @@ def test_generate_into_a_closed_pipe_stops_quietly(llama_dir, chat_data, tmp_pat
     proc.stdout.close()  # as `| head -c 1` does
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("module, args", [
+    ("train", ["--no-such-flag"]),
+    ("evaluate", ["--adapter", "r1"]),  # no --data
+    ("generate", ["--adapter", "r1"]),  # no --prompt
+    ("fuse", ["--adapter", "r1"]),  # no --out
+    ("convert", ["model.gguf"]),  # no OUT_DIR
+    ("export", ["--adapter", "r1", "--format", "gguf", "--out", "o"]),
+])
+def test_every_cli_reports_a_bad_flag_in_one_line(module, args, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit:
+        importlib.import_module(f"mlxft.{module}").main(args)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: ") and err.endswith(f"(python -m mlxft.{module} --help lists the options)\n")
+
+
+def test_running_out_of_host_memory_or_losing_stdout_is_one_line(capsys):
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from mlxft.errors import run_cli
+
+    @run_cli
+    def huge(argv):  # what a --batch-size of a billion rows met in NumPy
+        np.zeros((2**40, 2**20), dtype=np.int32)
+
+    assert huge([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of memory (") and "lower --batch-size" in err and err.count("\n") == 1
+    # `python -m mlxft.train ... | head -2` printed a BrokenPipeError traceback.
+    script = ("import sys\nfrom mlxft.errors import run_cli\n@run_cli\ndef main(argv):\n"
+              "    for i in range(10**6): print('step', i)\nsys.exit(main([]))")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.stderr.read().decode() == "error: standard output was closed; stopping\n" and proc.wait() == 1

@@ -144,11 +144,66 @@ def test_evaluate_refuses_a_negative_cap_and_an_unscored_set(tokenizer, runs_roo
 
     valid = data_dir(runs_root) / "valid.jsonl"
     model = SimpleNamespace(eval=lambda: None, train=lambda: None)
-    with pytest.raises(UserError, match="--max-batches >= 0"):
+    with pytest.raises(UserError, match="--max-batches must be 0 to"):
         evaluate(model, tokenizer, valid, max_batches=-1)
     monkeypatch.setattr(loss, "evaluation_loss", lambda *args, **kwargs: (mx.array(0.0), mx.array(0.0)))  # nothing supervised
     with pytest.raises(UserError, match="no token was scored"):
         evaluate(model, tokenizer, valid)
+
+
+def test_evaluate_refuses_counts_past_what_training_takes(tokenizer, llama_dir, runs_root, capsys):
+    valid = data_dir(runs_root) / "valid.jsonl"
+    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    with pytest.raises(UserError, match=r"--batch-size must be 1 to 2,147,483,647, got 2,147,483,648$"):
+        evaluate(model, tokenizer, valid, batch_size=2**31)
+    for flag in ("--batch-size", "--max-batches", "--max-seq-length", "--loss-chunk"):
+        capsys.readouterr()
+        assert evaluate_main(["--model", str(llama_dir), "--data", str(valid), flag, "99999999999999999999"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {flag} must be")
+
+
+def test_evaluate_reports_the_rows_it_scored(tokenizer, runs_root, monkeypatch):
+    from mlxft import loss
+
+    valid = data_dir(runs_root) / "valid.jsonl"
+    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    monkeypatch.setattr(loss, "evaluation_loss", lambda *args, **kwargs: (mx.array(1.0), mx.array(3.0)))
+    assert evaluate(model, tokenizer, valid, batch_size=1, max_batches=1).rows == 1
+    assert evaluate(model, tokenizer, valid, batch_size=2, max_batches=2).rows == 4
+    assert evaluate(model, tokenizer, valid, batch_size=2).rows == 5
+
+
+def test_evaluate_defaults_to_the_trainers_declared_defaults(llama_dir, tmp_path, monkeypatch, capsys):
+    from mlxft.config import DataConfig
+
+    rows = tmp_path / "qa.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"What is {i} plus {i}?", "completion": f" {2 * i}, of course."}) + "\n"
+                            for i in range(4)))
+    loaded = adapters.load_with_adapter(str(llama_dir), None)
+    expected = evaluate(loaded.model, loaded.tokenizer, rows, prompt_format="raw", max_seq_length=12,
+                        completion_only=False)
+    assert expected.tokens != evaluate(loaded.model, loaded.tokenizer, rows).tokens
+    # No run records settings for the bare base: evaluate takes them from the one declaration.
+    monkeypatch.setattr(DataConfig, "prompt_format", "raw")
+    monkeypatch.setattr(DataConfig, "max_seq_length", 12)
+    monkeypatch.setattr(DataConfig, "completion_only", False)
+    capsys.readouterr()
+    assert evaluate_main(["--model", str(llama_dir), "--data", str(rows), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == expected.tokens
+
+
+def test_a_system_message_needs_the_chat_template(tokenizer, llama_dir, monkeypatch, capsys):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(UserError, match="--system needs the chat template.*drop --system or use --prompt-format chat"):
+        prompt_ids(tokenizer, messages, "raw")
+    assert generate_main(["--model", str(llama_dir), "--prompt", "hi", "--system", "be brief", "--prompt-format", "raw",
+                          "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--system needs the chat template" in err
+    monkeypatch.setattr(tokenizer._tokenizer, "chat_template", None)  # auto without a template is raw too
+    with pytest.raises(UserError, match="--system needs the chat template"):
+        prompt_ids(tokenizer, messages, "auto")
 
 
 def test_exact_match_answers_are_each_prompts_greedy_continuation(model_dir):
