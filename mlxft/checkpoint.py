@@ -455,12 +455,33 @@ def remove_partial_saves(run_dir: Path) -> list[Path]:
 
 
 def first_output_in(run_dir: Path) -> str | None:
-    """The name of the first thing in ``run_dir`` that a run writes over, if any."""
+    """The name of the first thing in ``run_dir`` that a run writes over, if any. A
+    ``metrics.jsonl`` of no training step is not: a run stopped (Ctrl-C, a crash) before its
+    first step leaves one, and an error naming it would block the same command run again."""
     names = (ADAPTER_FILE, ADAPTER_CONFIG, CONFIG_FILE, STATE_FILE, METRICS_FILE, LATEST) + TOKENIZER_FILES
     for path in sorted(Path(run_dir).iterdir()):
+        if path.name == METRICS_FILE and not _records_training(path):
+            continue
         if path.name in names or _ANY_CHECKPOINT.match(path.name):
             return path.name
     return None
+
+
+def _records_training(metrics: Path) -> bool:
+    """Whether a metrics file holds a training step's record (or cannot be read to tell)."""
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return True
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return True
+        # Before the first step a run records only its baseline validation and exact-match.
+        if not isinstance(record, dict) or record.get("type") not in ("eval", "exact_match") or record.get("step") != 0:
+            return True
+    return False
 
 
 def rewind_latest(run_dir: Path, resumed: Path) -> Path | None:
@@ -568,7 +589,12 @@ def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: 
 
     def get(config, dotted):
         section, key = dotted.split(".")
-        return config.get(section, {}).get(key)
+        value = config.get(section, {}).get(key)
+        if dotted == "model.model" and isinstance(value, str):  # two spellings of one directory
+            from mlxft.models import absolute_name
+
+            return absolute_name(value)
+        return value
 
     forced = []
     unquantized = not get(current, "model.quantize")  # then the group size means nothing

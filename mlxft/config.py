@@ -209,8 +209,9 @@ class TrainConfig:
         True, "Before training, estimate peak memory by probing one and two layers at the batch shape "
               "(one, for checkpointed layers)."
     )
-    force: bool = _opt(False, "Resume even when harmless settings differ from the checkpoint's (model name, "
-                              "sequence length, alpha, dropout, seed, batch size, accumulation).")
+    force: bool = _opt(False, "Resume even when harmless settings differ from the checkpoint's (model name or "
+                              "revision, dtype, quantization group size, sequence length, packing, alpha, dropout, "
+                              "seed, batch size, accumulation, training data).")
 
 
 SECTIONS: dict[str, type] = {
@@ -423,6 +424,9 @@ def validate(config: RunConfig) -> None:
     need(len(a.targets) >= 1, "adapter.targets", "name at least one module or 'default'")
     need(WHOLE_LAYERS not in a.targets or (a.targets == [WHOLE_LAYERS] and a.finetune == "full"), "adapter.targets",
          f"'{WHOLE_LAYERS}' (every weight of the trained layers) stands alone and needs --finetune full")
+    need(not (a.finetune == "full" and config.model.quantize), "model.quantize",
+         "full fine-tuning trains the base's own weights, which a quantized base cannot; drop --quantize or "
+         "use --finetune lora")
     need(d.max_seq_length >= 2, "data.max_seq_length", f"must be >= 2, got {d.max_seq_length}")
     need(config.model.checkpoint_layers >= 0, "model.checkpoint_layers", "must be >= 0 (0 = every layer)")
     need(not config.model.checkpoint_layers or config.model.grad_checkpoint, "model.checkpoint_layers",

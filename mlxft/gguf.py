@@ -599,12 +599,13 @@ def _check_destination(out_dir: Path, overwrite: bool) -> None:
                         "pass --overwrite")
 
 
-def check_output_apart(out: Path, label: str, inputs: dict[str, Any]) -> None:
+def check_output_apart(out: Path, label: str, inputs: dict[str, Any], inside_is_apart: bool = False) -> None:
     """Refuse an output directory that is, contains or is inside one of ``inputs``
     ({description: path}; paths that do not exist, such as hub ids, are skipped).
 
     Replacing the output (--overwrite) deletes everything under it, and writing inside an input
-    changes it. Symlinks are resolved, so a link cannot hide the overlap.
+    changes it. Symlinks are resolved, so a link cannot hide the overlap. ``inside_is_apart``:
+    an output inside an input is allowed (for a writer that adds its own directory there).
     """
     target = Path(out).expanduser().resolve()
     for what, source in inputs.items():
@@ -613,7 +614,7 @@ def check_output_apart(out: Path, label: str, inputs: dict[str, Any]) -> None:
         src = Path(source).expanduser().resolve()
         if target == src:
             relation = "is"
-        elif src in target.parents:
+        elif src in target.parents and not inside_is_apart:
             relation = "is inside"
         elif target in src.parents:
             relation = "contains"

@@ -23,6 +23,14 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 _PLAIN_HEAD_TYPES = {"llama", "lfm2", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3"}
 
 
+def absolute_name(name: str) -> str:
+    """``name`` as an absolute path where it names a local directory (as typed, a relative one
+    fails from another working directory, and two spellings of one model differ); else as is
+    (a hub id, ``builtin:...``)."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if not name.startswith("builtin:") and path.is_dir() else name
+
+
 def resolve_model_path(name: str, revision: str = "") -> Path:
     """A local model directory as is, or a hub repo id downloaded (cached) via huggingface-hub."""
     path = Path(name).expanduser()

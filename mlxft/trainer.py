@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 from mlxft import _blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, normed, packing
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError, first_line
+from mlxft.gguf import check_output_apart
 from mlxft.loss import cross_entropy, evaluation_loss, hidden_loss, loss_fn
 from mlxft.optim import build_optimizer
 from mlxft.report import Reporter
@@ -138,10 +139,18 @@ class Trainer:
 
         if model is None:
             with self.world.local_work():  # a download or a large model may take longer than --dist-timeout
-                model, tokenizer, _, _ = models.load(
+                model, tokenizer, model_path, _ = models.load(
                     builtin.resolve(config.model.model), config.model.dtype, config.model.quantize,
                     config.model.quantize_group_size, config.model.revision,
                 )
+            # A run writes tokenizer files and adapters where it is told, and --overwrite clears
+            # it: neither may reach the model or adapter it starts from (a run inside them
+            # touches none of their files).
+            check_output_apart(self.run_dir, "--output-dir", {"model directory": model_path,
+                                                              "starting adapter": config.adapter.init_adapter},
+                               inside_is_apart=True)
+            # Recorded as an absolute path: resumed, fused or evaluated from any directory.
+            config.model.model = models.absolute_name(config.model.model)
         self.model, self.tokenizer = model, tokenizer
         if config.adapter.init_adapter:
             from mlxft.adapters import start_from
@@ -166,6 +175,10 @@ class Trainer:
                 self.valid_set = load(self.valid_file) if self.valid_file else None
         else:
             self.train_set, self.valid_set = datasets
+        scored = self.valid_set if self.valid_set is not None else self.train_set
+        if t.exact_match_rows and scored.kind == "text":
+            raise UserError(f"train.exact_match_rows: {scored.path} holds text rows, which have no prompt and answer "
+                            "to score; set --exact-match-rows 0")
 
         batches_per_epoch = math.ceil(len(self.train_set) / t.batch_size)
         self.steps_per_epoch = math.ceil(batches_per_epoch / t.grad_accum_steps)
@@ -188,6 +201,9 @@ class Trainer:
         self.tokenizer_saved = False
         with self.world.local_work():
             forced = self._restore(resume_from) if resume_from else []
+        if self.step_count > self.total_steps:  # it would train nothing and save over `final`
+            raise UserError(f"--resume {t.resume}: the checkpoint is at step {self.step_count}, past this run's "
+                            f"{self.total_steps} steps; raise --max-steps or --epochs to train further")
         self.step = build_step(model, self.optimizer, partial(loss_fn, label_smoothing=config.optim.label_smoothing,
                                                                   chunk=config.model.loss_chunk, training=True),
                                config.optim.max_grad_norm, reduce=self.world.all_sum if self.world.size > 1 else None)

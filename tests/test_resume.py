@@ -249,6 +249,53 @@ def test_overwrite_replaces_only_the_old_runs_checkpoints_and_tokenizer(llama_di
     assert not (out / "special_tokens_map.json").exists()
 
 
+def test_a_run_stopped_before_its_first_step_does_not_block_the_same_command(tmp_path):
+    # Ctrl-C during the baseline validation left metrics.jsonl with its record alone, and the
+    # command run again was refused: "holds metrics.jsonl, which a run would overwrite".
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"type": "eval", "step": 0, "val_loss": 2.0}) + "\n"
+                       + json.dumps({"type": "exact_match", "step": 0, "exact_match": 0.0}) + "\n")
+    check_output_dir(tmp_path, overwrite=False)
+    metrics.write_text("")
+    check_output_dir(tmp_path, overwrite=False)
+    for trained in ({"type": "train", "step": 1, "loss": 2.0}, {"type": "eval", "step": 4, "val_loss": 1.0}):
+        metrics.write_text(json.dumps(trained) + "\n")
+        with pytest.raises(UserError, match="holds metrics.jsonl, which a run would overwrite"):
+            check_output_dir(tmp_path, overwrite=False)
+    metrics.write_text('{"type": "ev')  # cannot tell: a run's
+    with pytest.raises(UserError, match="holds metrics.jsonl"):
+        check_output_dir(tmp_path, overwrite=False)
+
+
+def test_the_output_dir_cannot_be_or_hold_the_model_or_starting_adapter(llama_dir, uninterrupted, tmp_path):
+    # --overwrite into the model directory deleted its tokenizer files and rewrote others.
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    before = files(model)
+    for out in (model, tmp_path):
+        with pytest.raises(UserError, match=f"--output-dir {out} (is|contains) the model directory"):
+            Trainer(config(model, uninterrupted[0], out, overwrite=True, max_steps=1))
+    assert files(model) == before and not (model / "metrics.jsonl").exists()
+    run = tmp_path / "run"
+    Trainer(config(model, uninterrupted[0], run, max_steps=1)).train()
+    continued = config(model, uninterrupted[0], run, overwrite=True, max_steps=1)
+    continued.adapter.init_adapter = str(run)
+    with pytest.raises(UserError, match="is the starting adapter"):
+        Trainer(continued)
+    Trainer(config(model, uninterrupted[0], model / "lora", max_steps=1))  # a run inside touches none of its files
+    assert {name: data for name, data in files(model).items() if name.parts[0] != "lora"} == before
+
+
+def test_resuming_past_the_runs_last_step_is_refused_and_keeps_final(llama_dir, uninterrupted, tmp_path):
+    # It printed "step 4/2", trained nothing and saved the step-4 weights over `final`.
+    out = tmp_path / "run"
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=6)).train()
+    before = files(out)
+    with pytest.raises(UserError, match="checkpoint is at step 4, past this run's 2 steps; raise --max-steps"):
+        Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2, resume=str(out / "checkpoint-4")))
+    assert files(out) == before
+
+
 def test_output_dir_with_files_a_run_writes_is_refused_unless_overwrite(tmp_path):
     check_output_dir(tmp_path / "new", overwrite=False)
     (tmp_path / "notes.txt").write_text("mine")

@@ -267,6 +267,8 @@ def resolve_cli(*args, config_path=None):
         (["--batch-size", "99999999999999999999"], "train.batch_size: must be at most"),
         (["--loss-chunk", "3000000000"], "model.loss_chunk: must be at most"),
         (["--epochs", "0"], "train.epochs: must be >= 1 unless --max-steps is set"),
+        # It failed only after the base had been loaded and quantized.
+        (["--quantize", "4", "--finetune", "full"], "model.quantize: full fine-tuning trains the base's own weights"),
     ],
 )
 def test_out_of_range_values_are_rejected(args, message):
@@ -354,3 +356,51 @@ def test_one_line_errors_quote_an_empty_message_by_its_type():
 
     assert first_line(ValueError()) == "ValueError"
     assert first_line(RuntimeError("\nwhat went wrong\nthe details")) == "what went wrong"
+
+
+def test_a_local_model_is_recorded_by_its_absolute_path(llama_dir, chat_data, tmp_path, monkeypatch):
+    # Recorded as typed, "tiny" failed from another directory, and "./tiny" could not resume it.
+    import shutil
+
+    from mlxft import adapters
+
+    shutil.copytree(llama_dir, tmp_path / "tiny")
+    monkeypatch.chdir(tmp_path)
+    Trainer(config("tiny", chat_data, "run", max_steps=2, save_every=1)).train()
+    absolute = str((tmp_path / "tiny").resolve())
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["model"] == absolute
+    assert load_adapter_weights(tmp_path / "run" / "adapters.safetensors")[1]["base_model"] == absolute
+    Trainer(config("./tiny", chat_data, "run", max_steps=3, resume="latest"))
+    # A checkpoint written before: its relative name resolves where the resume is run.
+    saved = tmp_path / "run" / "checkpoint-1" / "config.yaml"
+    saved.write_text(saved.read_text().replace(absolute, "tiny"))
+    Trainer(config(absolute, chat_data, "run", max_steps=3, resume=str(tmp_path / "run" / "checkpoint-1")))
+    monkeypatch.chdir(tmp_path / "run")
+    assert adapters.load_with_adapter(None, str(tmp_path / "run")).model_path == tmp_path / "tiny"
+
+
+def test_exact_match_on_text_rows_is_refused_up_front(llama_dir, tmp_path):
+    # Text rows have no answer to score: it reported 0.0% of 0 rows and recorded that score.
+    write_jsonl(tmp_path / "data" / "train.jsonl", [{"text": "plain text " * 5}] * 4)
+    with pytest.raises(UserError, match=r"train.exact_match_rows: .*train.jsonl holds text rows, which have no "
+                                        "prompt and answer to score; set --exact-match-rows 0"):
+        Trainer(config(llama_dir, tmp_path / "data", tmp_path / "run", max_steps=1, exact_match_rows=2))
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_without_a_config_takes_the_checkpoints_settings(llama_dir, chat_data, tmp_path, capsys):
+    # It ran the default job instead, whose settings then refused the resume and suggested
+    # --force, which would have trained the user's run on the default job's data.
+    from mlxft.train import main
+
+    run = tmp_path / "run"
+    assert main(["--model", str(llama_dir), "--data", str(chat_data), "--output-dir", str(run), "--max-steps", "4",
+                 "--save-every", "2", "--rank", "4", "--exact-match-rows", "0"]) == 0
+    assert main(["--resume", str(run / "checkpoint-2")]) == 0  # continues in the run that holds it
+    out = capsys.readouterr().out
+    assert f"resuming with the checkpoint's settings ({run / 'checkpoint-2' / 'config.yaml'})" in out
+    assert "resumed from" in out and "done: 4 steps" in out
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["adapter"]["rank"] == 4 and saved["data"]["data"] == str(chat_data)
+    assert main(["--resume", "latest", "--output-dir", str(tmp_path / "empty")]) == 2
+    assert "has no checkpoint yet" in capsys.readouterr().err
