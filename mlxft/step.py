@@ -32,7 +32,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_reduce, tree_unflatten
 
 _SCHEDULE_KEYS = ("step", "learning_rate")
 
@@ -225,9 +225,24 @@ def build_step(
         # Keep the sum's dtype (float32 for half-precision parameters, else the parameter's own).
         return (g / mx.maximum(tokens, 1)).astype(g.dtype)
 
+    def clip_global_norm(grads):
+        """``optim.clip_grad_norm(grads, clip_to)``, with each square summed in one order.
+
+        A float32 sum's order follows the array's memory layout: the window's sums from the
+        matmul backward are column-major, a window restored from a checkpoint is row-major,
+        and the same values then gave norms an ulp apart, so a run resumed inside a window
+        clipped by another factor. Laid out 1-D (row-major), every tensor sums alike."""
+        def squared_norm(g):
+            g = g.reshape(-1)
+            return (g.astype(mx.float32) if g.dtype == mx.float16 else g).square().sum()
+
+        norm = mx.sqrt(tree_reduce(lambda acc, g: acc + squared_norm(g), grads, 0.0))
+        normalizer = mx.minimum(clip_to / (norm + 1e-6), 1.0)
+        return tree_map(lambda g: (g * normalizer).astype(g.dtype), grads), norm
+
     def update_tree(grads, tokens):
         grads = tree_map(lambda g: mean_gradient(g, tokens), grads)
-        grads, norm = optim.clip_grad_norm(grads, clip_to)
+        grads, norm = clip_global_norm(grads)
         finite = mx.isfinite(norm)
         old_params = model.trainable_parameters()
         # The optimizer updates the float32 master where a parameter has one (it maps over the

@@ -491,3 +491,41 @@ def test_update_reads_the_trainables_a_user_replaced_or_wrote_into_between_steps
     mx.eval(step.state)
     for name, value in tree_flatten(model.trainable_parameters()):
         assert mx.array_equal(expected[name], value).item(), name
+
+
+def test_per_tensor_clipping_ignores_the_window_gradients_memory_layout(small_vocab_dir):
+    """A window's gradient sums come from the matmul backward as column-major (transposed)
+    arrays; restored from a checkpoint they are row-major. Clipped per tensor, the same values
+    in either layout give the same norm and the same weights, to the bit (a float32 sum's order
+    followed the layout, so a resumed full fine-tune differed by an ulp)."""
+    rows = uneven_rows()
+
+    def full_model():
+        model, _, _, _ = models.load(str(small_vocab_dir), "float32")
+        lora.apply(model, AdapterConfig(finetune="full", rank=4), seed=0)
+        return model
+
+    def build(model):
+        step = build_step(model, optim.AdamW(learning_rate=1e-3), loss_fn, max_grad_norm=1.0, flat=False)
+        assert step.layout is None
+        return step
+
+    _, window = build(full_model())(make_batch(rows[:3], 3, 4).arrays(), None, update=False)
+    mx.eval(window)
+    grads, loss_sum, tokens = window
+    # As a checkpoint restores them (np.array alone would keep a column-major array's order).
+    row_major = tree_map(lambda g: mx.array(np.ascontiguousarray(np.array(g))), grads)
+    column_major = [k for k, g in tree_flatten(grads) if g.ndim == 2 and not memoryview(g).c_contiguous]
+    assert column_major and all(memoryview(g).c_contiguous for _, g in tree_flatten(row_major))
+    results = []
+    for sums in (grads, row_major):
+        model = full_model()
+        step = build(model)
+        result, _ = step(make_batch(rows[3:], 3, 4).arrays(), (sums, loss_sum, tokens), update=True)
+        mx.eval(step.state)
+        results.append((result.grad_norm, dict(tree_flatten(model.trainable_parameters()))))
+    (norm, params), (restored_norm, restored_params) = results
+    assert norm.item() > 1.0  # the clip really scales the gradients
+    assert norm.item() == restored_norm.item()
+    for name, value in params.items():
+        assert mx.array_equal(restored_params[name], value).item(), name
