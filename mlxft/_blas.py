@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -41,7 +42,7 @@ _CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
 )
 
-HINT = (
+_INSTALL_HINT = (
     "MLX's Linux CPU wheel is using its slow reference BLAS; install OpenBLAS for ~30x faster "
     "float32 training (Debian/Ubuntu: apt-get install libopenblas0-pthread, Fedora: dnf install "
     "openblas-threads, or pip install mkl; or install a C compiler so mlxft can use the "
@@ -64,6 +65,11 @@ void cblas_cgemm(I o, I ta, I tb, I m, I n, I k, const void *al, const void *a, 
 
 loaded: str | None = None
 """Path of the BLAS library preloaded for MLX, or None when MLX keeps its own."""
+
+mlx_came_first = False
+"""True when mlx.core was already imported as mlxft loaded, so no BLAS could be preloaded."""
+
+_searched = False
 
 
 def _mkl_candidates() -> list[str]:
@@ -120,11 +126,8 @@ def _candidates() -> list[str]:
     return names + ["scipy-openblas32"]
 
 
-def preload() -> str | None:
-    """Load the first usable CBLAS into the global scope; return its path (Linux only)."""
-    global loaded
-    if loaded is not None or not sys.platform.startswith("linux") or "mlx.core" in sys.modules:
-        return loaded
+def _find(mode: int) -> str | None:
+    """Path of the first usable CBLAS, opened with ``mode``; None when there is none."""
     for path in _candidates():
         if path == "scipy-openblas32":
             path = _scipy_openblas_shim()
@@ -133,13 +136,42 @@ def preload() -> str | None:
         if os.path.sep in path and not os.path.exists(path):
             continue
         try:
-            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(path, mode=mode)
             lib.cblas_sgemm  # noqa: B018 - must export the symbol MLX calls
         except (OSError, AttributeError):
             continue
-        loaded = path
-        return loaded
+        return path
     return None
+
+
+def preload() -> str | None:
+    """Load the first usable CBLAS into the global scope; return its path (Linux only)."""
+    global loaded, mlx_came_first, _searched
+    if loaded is not None or not sys.platform.startswith("linux"):
+        return loaded
+    if "mlx.core" in sys.modules:
+        # Only the first call sees the user's import order: later ones may follow mlxft's own import of MLX.
+        if not _searched:
+            mlx_came_first = True
+        _searched = True
+        return None
+    _searched = True
+    loaded = _find(ctypes.RTLD_GLOBAL)
+    return loaded
+
+
+@functools.cache
+def hint() -> str:
+    """What to do about MLX's reference BLAS: install a faster one, or import mlxft before mlx (worked
+    out when a warning needs it, since naming the library mlxft would have loaded can mean a search)."""
+    if not mlx_came_first or not _candidates():
+        return _INSTALL_HINT
+    # RTLD_LOCAL: MLX has already bound its BLAS symbols, so this only checks what the search would pick.
+    found = _find(ctypes.RTLD_LOCAL)
+    if found is None:
+        return f"{_INSTALL_HINT}; then import mlxft before mlx and mlx_lm in your script"
+    return (f"MLX's Linux CPU wheel is using its slow reference BLAS because mlx was imported before mlxft, too late "
+            f"for mlxft to load {found}: import mlxft first in your script, before mlx and mlx_lm")
 
 
 def uses_reference_blas() -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import numbers
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -259,15 +261,17 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         if not isinstance(value, bool):
             raise UserError(f"{where}: expected true or false, got {value!r}")
     elif isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
+        # numbers.Integral takes NumPy's integers (np.int64 is no int); floats, even 2.0, stay refused.
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise UserError(f"{where}: expected an integer, got {value!r}")
+        value = int(value)
     elif isinstance(default, float):
         if isinstance(value, str):  # PyYAML reads 1e-4 (no dot before the e) as a string
             try:
                 value = float(value)
             except ValueError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):  # Real takes np.float32 and np.int64
             raise UserError(f"{where}: expected a number, got {value!r}")
         value = float(value)
     elif isinstance(default, list):
@@ -276,8 +280,10 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise UserError(f"{where}: expected a list of names, got {value!r}")
     elif isinstance(default, str):
+        if isinstance(value, os.PathLike):  # scripts pass pathlib.Path; the saved config.yaml needs a str
+            value = os.fspath(value)
         if not isinstance(value, str):
-            raise UserError(f"{where}: expected a string, got {value!r}")
+            raise UserError(f"{where}: expected a string or path, got {value!r}")
     choices = f.metadata.get("choices")
     if choices is not None and value not in choices:
         raise UserError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")

@@ -96,12 +96,13 @@ def exact_match(model, tokenizer, pairs, prompt_format: str = "auto", max_tokens
     if not pairs:
         return 0.0, []
     prompts = [prompt_ids(tokenizer, pair.messages, "chat" if pair.chat else prompt_format) for pair in pairs]
+    was_training = model.training
     model.eval()
     try:
         texts = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens,
                                completion_batch_size=GENERATION_BATCH, prefill_batch_size=GENERATION_BATCH).texts
     finally:
-        model.train()
+        model.train(was_training)
     answers = [Answer(pair.messages[-1]["content"], pair.reference, text.strip()) for pair, text in zip(pairs, texts)]
     score = sum(a.correct for a in answers) / len(answers)
     return score, answers

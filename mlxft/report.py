@@ -23,6 +23,7 @@ class Reporter:
         self._loss_sum = 0.0
         self._tokens = 0
         self._real_tokens = 0
+        self.unlogged_steps = 0  # accounted since the last training record
         self.last_train_loss: float | None = None
 
     def _print(self, line: str) -> None:
@@ -41,6 +42,7 @@ class Reporter:
         self._loss_sum += loss_sum
         self._tokens += tokens
         self._real_tokens += real_tokens
+        self.unlogged_steps += 1
         if self.live and self.enabled:
             loss = self._loss_sum / max(self._tokens, 1)
             self.stream.write(f"\r\033[K[{step}/{self.total_steps}] {self._bar(step)} loss {loss:.4f}")
@@ -77,7 +79,7 @@ class Reporter:
         )
         self._record(record)
         self.last_train_loss = loss
-        self._loss_sum, self._tokens, self._real_tokens = 0.0, 0, 0
+        self._loss_sum, self._tokens, self._real_tokens, self.unlogged_steps = 0.0, 0, 0, 0
         self._window_start = end
         return record
 

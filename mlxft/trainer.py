@@ -92,6 +92,29 @@ def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = 
                         "choose another --output-dir or pass --overwrite")
 
 
+def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | None, exact_match_rows: int) -> None:
+    """What loading a JSONL file refuses, for datasets built in Python."""
+    for name, dataset in (("train", train_set), ("validation", valid_set)):
+        if dataset is not None and not any(example.supervised for example in dataset.examples):
+            raise UserError(f"the {name} dataset has no row with a supervised token; give rows with completions "
+                            "or assistant turns")
+    scored = valid_set if valid_set is not None else train_set
+    if exact_match_rows and (scored.path is None or not Path(scored.path).is_file()):
+        raise UserError(f"train.exact_match_rows: exact-match reads prompts and answers from the dataset's JSONL file "
+                        f"(Dataset.path), and {scored.path} is none; set exact_match_rows to 0")
+
+
+def _check_unadapted(model) -> None:
+    """Refuse a model that holds adapters already: new ones would wrap them (LoRA inside LoRA),
+    a layout neither mlxft nor mlx-lm loads."""
+    from mlx_lm.tuner.dora import DoRALinear
+    from mlx_lm.tuner.lora import LoRALinear
+
+    if any(isinstance(module, (LoRALinear, DoRALinear)) for _, module in model.named_modules()):
+        raise UserError("the model holds LoRA layers already (a model an earlier run trained, or one loaded with "
+                        "an adapter): load the base again, and start from that adapter with adapter.init_adapter")
+
+
 def dropout_seed(seed: int, epoch: int, micro_batch: int, world: distributed.World) -> int:
     """The random seed a micro-batch's dropout draws from: a function of its position alone, so
     a resumed run draws the same noise; and of the rank, since each rank's share of the rows
@@ -152,6 +175,26 @@ class Trainer:
             # Recorded as an absolute path: resumed, fused or evaluated from any directory.
             config.model.model = models.absolute_name(config.model.model)
         self.model, self.tokenizer = model, tokenizer
+
+        load = partial(data.load_dataset, tokenizer=tokenizer, max_seq_length=config.data.max_seq_length,
+                       completion_only=config.data.completion_only, prompt_format=config.data.prompt_format,
+                       warn=self.world.is_main)
+        if datasets is None:
+            with self.world.local_work():  # so may tokenizing a large dataset
+                self.train_set = load(self.train_file)
+                self.valid_set = load(self.valid_file) if self.valid_file else None
+        else:
+            self.train_set, self.valid_set = datasets
+            _check_given_datasets(self.train_set, self.valid_set, t.exact_match_rows)
+        scored = self.valid_set if self.valid_set is not None else self.train_set
+        if t.exact_match_rows and scored.kind == "text":
+            raise UserError(f"train.exact_match_rows: {scored.path} holds text rows, which have no prompt and answer "
+                            "to score; set --exact-match-rows 0")
+
+        # The model changes only once the data has passed its checks: a refused run leaves a
+        # model the caller passed in as it was.
+        _check_unadapted(model)
+        model.freeze()  # mlx_lm.load's is not: unfrozen, "LoRA" would train every weight
         if config.adapter.init_adapter:
             from mlxft.adapters import start_from
 
@@ -166,20 +209,6 @@ class Trainer:
             models.checkpoint_layers(model, config.model.checkpoint_layers, config.model.checkpoint_keep_mlp)
         self.world.heartbeat()
 
-        load = partial(data.load_dataset, tokenizer=tokenizer, max_seq_length=config.data.max_seq_length,
-                       completion_only=config.data.completion_only, prompt_format=config.data.prompt_format,
-                       warn=self.world.is_main)
-        if datasets is None:
-            with self.world.local_work():  # so may tokenizing a large dataset
-                self.train_set = load(self.train_file)
-                self.valid_set = load(self.valid_file) if self.valid_file else None
-        else:
-            self.train_set, self.valid_set = datasets
-        scored = self.valid_set if self.valid_set is not None else self.train_set
-        if t.exact_match_rows and scored.kind == "text":
-            raise UserError(f"train.exact_match_rows: {scored.path} holds text rows, which have no prompt and answer "
-                            "to score; set --exact-match-rows 0")
-
         batches_per_epoch = math.ceil(len(self.train_set) / t.batch_size)
         self.steps_per_epoch = math.ceil(batches_per_epoch / t.grad_accum_steps)
         self.total_steps = t.max_steps or t.epochs * self.steps_per_epoch
@@ -191,6 +220,7 @@ class Trainer:
         self.window_real_tokens = 0
         self.window_queued_at: float | None = None  # when the open accumulation window's first micro-batch was queued
         self.pending: list[_QueuedStep] = []  # optimizer steps queued but not read yet
+        self.last_done: _QueuedStep | None = None  # the last optimizer step read
         self.in_flight = None  # the last queued micro-batch's output, waited for after the next is queued
         self.skipped_steps = self.nonfinite_streak = 0
         self.best_val_loss: float | None = None
@@ -244,7 +274,7 @@ class Trainer:
         trainable, total = models.count_parameters(self.model)
         info = self.reporter.info
         if _blas.uses_reference_blas():
-            info(f"warning: {_blas.HINT}")
+            info(f"warning: {_blas.hint()}")
         info(f"device: {memory.device_description()} | model: {self.config.model.model} ({models.family(self.model)}) | "
              f"{self.config.adapter.finetune} on {', '.join(self.targets)}")
         info(f"trainable parameters: {trainable:,} / {total:,} ({100 * trainable / max(total, 1):.3f}%)")
@@ -344,9 +374,15 @@ class Trainer:
             before.restore()
 
     def train(self) -> TrainResult:
-        """Train to the last step; raises :class:`TrainingStopped` after an emergency save."""
-        with self._run_limits():
-            return self._train_reporting_failures()
+        """Train to the last step; raises :class:`TrainingStopped` after an emergency save. The
+        model is left in the mode (training or evaluation) it was in."""
+        was_training = self.model.training
+        self.model.train()  # mlx_lm.load leaves a model in evaluation mode, with its dropouts off
+        try:
+            with self._run_limits():
+                return self._train_reporting_failures()
+        finally:
+            self.model.train(was_training)
 
     def _train_reporting_failures(self) -> TrainResult:
         try:
@@ -382,6 +418,9 @@ class Trainer:
                     at_boundary = self.window is None or self.world.size == 1
                     if at_boundary and self.world.any(self.stop.requested):
                         self._drain()
+                        if self.reporter.unlogged_steps and self.last_done is not None:
+                            # The resumed run starts after them: their window is logged now or never.
+                            self._log_step(self.last_done, force=True)
                         self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
                         path = self.save_checkpoint("emergency")
                         raise TrainingStopped(f"stopped by {self.stop.name} at step {self.step_count}; saved {path}; "
@@ -597,6 +636,7 @@ class Trainer:
 
     def _after_step(self, done: _QueuedStep, next_queued_at: float | None = None) -> None:
         k = done.step
+        self.last_done = done
         self._log_step(done, next_queued_at)
         if self._evaluates_after(k):
             self._evaluate()
@@ -611,8 +651,11 @@ class Trainer:
 
     def evaluate(self, dataset: data.Dataset | None = None) -> tuple[float, int]:
         """Token-weighted mean loss over a dataset (the validation set by default)."""
-        dataset = dataset or self.valid_set
+        dataset = dataset if dataset is not None else self.valid_set
+        if dataset is None:
+            raise UserError("evaluate: this run has no validation set; pass a dataset")
         t = self.config.train
+        was_training = self.model.training
         self.model.eval()
         loss_sum, tokens = mx.array(0.0), mx.array(0.0)
         # Up to the sum, each rank works on its own share: however long a batch takes (the first
@@ -625,7 +668,7 @@ class Trainer:
                 loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
                 mx.eval(loss_sum, tokens)
         loss_sum, tokens = self.world.all_sum((loss_sum, tokens))
-        self.model.train()
+        self.model.train(was_training)
         return loss_sum.item() / max(tokens.item(), 1), int(tokens.item())
 
     def _evaluate(self) -> None:

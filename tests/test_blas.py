@@ -62,6 +62,30 @@ def test_mkl_installed_in_the_environment_comes_first_and_a_broken_one_is_passed
     assert with_fake["loaded"] == without["loaded"]
 
 
+
+def test_importing_mlx_before_mlxft_is_named_as_the_cause_not_a_missing_blas(tmp_path):
+    """``import mlx_lm`` before ``import mlxft`` leaves MLX on its reference BLAS whatever is
+    installed: the warning must say to reorder the imports, naming the BLAS the search would load."""
+    def run(code, choice=None):
+        env = {k: v for k, v in os.environ.items() if k != "MLXFT_BLAS"}
+        env.update({"MLXFT_CACHE": str(tmp_path)}, **({"MLXFT_BLAS": choice} if choice else {}))
+        proc = subprocess.run([sys.executable, "-c", code + "\nimport json, mlxft._blas as blas\nprint(json.dumps("
+                               "{'loaded': blas.loaded, 'reference': blas.uses_reference_blas(), 'hint': blas.hint()}))"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = run("import mlxft")
+    if first["loaded"] is None:
+        pytest.skip("no optimized BLAS in this environment to be kept from MLX")
+    late = run("import mlx.core\nimport mlxft")
+    assert late["loaded"] is None and late["reference"]
+    assert first["loaded"] in late["hint"] and "import mlxft first" in late["hint"]
+    assert "install OpenBLAS" not in late["hint"]
+    missing = run("import mlx.core\nimport mlxft", choice=str(tmp_path / "no-such-blas.so"))
+    assert "install OpenBLAS" in missing["hint"] and "import mlxft before mlx" in missing["hint"]
+
+
 HEAP_PROBE = """
 import ctypes, json, mlxft._heap as heap
 import mlx.core as mx

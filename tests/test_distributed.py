@@ -381,7 +381,7 @@ def test_validation_counts_as_local_work_up_to_its_sum(monkeypatch):
     rows = [Example(np.arange(12, dtype=np.int32), np.arange(12) > 5) for _ in range(6)]
     config = RunConfig()
     config.train.batch_size = 2
-    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    model = SimpleNamespace(eval=lambda: None, train=lambda mode=True: None, training=True)
     trainer = SimpleNamespace(world=world, config=config, model=model, valid_set=Dataset(None, rows, "completion"))
     trainer.batch = lambda dataset, indices: Trainer.batch(trainer, dataset, indices)
     assert Trainer.evaluate(trainer) == (1.0, 9)

@@ -127,7 +127,7 @@ def test_exact_match_prompts_chat_rows_as_training_renders_them_and_passes_over_
     monkeypatch.setattr(importlib.import_module("mlx_lm.generate"), "batch_generate",  # the package's name is the function
                         lambda model, tok, prompts, **kw: prompted.extend(prompts) or SimpleNamespace(
                             texts=["<think>\n\n</think>\n\nParis", "madrid."]))
-    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    model = SimpleNamespace(eval=lambda: None, train=lambda mode=True: None, training=False)
     score, _ = generation.exact_match(model, tokenizer, pairs, "raw")
     # The chat row keeps its template under --prompt-format raw, as training encodes it; the
     # prompt/completion row is raw. An answer after an empty reasoning block (Qwen3's template
@@ -143,7 +143,7 @@ def test_evaluate_refuses_a_negative_cap_and_an_unscored_set(tokenizer, runs_roo
     from mlxft import loss
 
     valid = data_dir(runs_root) / "valid.jsonl"
-    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    model = SimpleNamespace(eval=lambda: None, train=lambda mode=True: None, training=False)
     with pytest.raises(UserError, match="--max-batches must be 0 to"):
         evaluate(model, tokenizer, valid, max_batches=-1)
     monkeypatch.setattr(loss, "evaluation_loss", lambda *args, **kwargs: (mx.array(0.0), mx.array(0.0)))  # nothing supervised
@@ -153,7 +153,7 @@ def test_evaluate_refuses_a_negative_cap_and_an_unscored_set(tokenizer, runs_roo
 
 def test_evaluate_refuses_counts_past_what_training_takes(tokenizer, llama_dir, runs_root, capsys):
     valid = data_dir(runs_root) / "valid.jsonl"
-    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    model = SimpleNamespace(eval=lambda: None, train=lambda mode=True: None, training=False)
     with pytest.raises(UserError, match=r"--batch-size must be 1 to 2,147,483,647, got 2,147,483,648$"):
         evaluate(model, tokenizer, valid, batch_size=2**31)
     for flag in ("--batch-size", "--max-batches", "--max-seq-length", "--loss-chunk"):
@@ -167,7 +167,7 @@ def test_evaluate_reports_the_rows_it_scored(tokenizer, runs_root, monkeypatch):
     from mlxft import loss
 
     valid = data_dir(runs_root) / "valid.jsonl"
-    model = SimpleNamespace(eval=lambda: None, train=lambda: None)
+    model = SimpleNamespace(eval=lambda: None, train=lambda mode=True: None, training=False)
     monkeypatch.setattr(loss, "evaluation_loss", lambda *args, **kwargs: (mx.array(1.0), mx.array(3.0)))
     assert evaluate(model, tokenizer, valid, batch_size=1, max_batches=1).rows == 1
     assert evaluate(model, tokenizer, valid, batch_size=2, max_batches=2).rows == 4

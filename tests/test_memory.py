@@ -50,7 +50,7 @@ def random_rows(n: int, longest: int, seed: int = 0) -> list[Example]:
     return rows
 
 
-def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
+def trainer(model_dir, tmp_path, batch_size=8, longest=256, rows_file=None, **train):
     config = RunConfig.from_dict({
         "model": {"model": str(model_dir), "dtype": "float32", "grad_checkpoint": train.pop("grad_checkpoint", False),
                   "checkpoint_layers": train.pop("checkpoint_layers", 0),
@@ -64,7 +64,10 @@ def trainer(model_dir, tmp_path, batch_size=8, longest=256, **train):
         "train": {"output_dir": str(tmp_path / "run"), "batch_size": batch_size, "max_steps": 3, "log_every": 1, **train},
     })
     rows = random_rows(3 * batch_size, longest)
-    return Trainer(config, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+    if rows_file is not None:  # a file for exact-match to read its rows from
+        rows_file.write_text("")
+    path = rows_file or Path("rows")
+    return Trainer(config, datasets=(Dataset(path, rows, "completion"), None))
 
 
 def train_records(run: Trainer) -> list[dict]:
@@ -489,7 +492,8 @@ def test_generation_reports_its_own_peak_apart_from_training(llama_dir, tmp_path
     monkeypatch.setattr(generation, "exact_match", generating)
     before = mx.get_memory_limit()
     try:
-        run = trainer(llama_dir, tmp_path, batch_size=2, longest=64, exact_match_rows=2, memory_limit=0.5)
+        run = trainer(llama_dir, tmp_path, batch_size=2, longest=64, exact_match_rows=2, memory_limit=0.5,
+                      rows_file=tmp_path / "rows.jsonl")
         run.train()
     finally:
         mx.set_memory_limit(before)

@@ -2,6 +2,7 @@
 
 import argparse
 
+import numpy as np
 import pytest
 
 import mlx.core as mx
@@ -136,6 +137,35 @@ def test_config_layers_and_errors(tmp_path):
     keep_mlp = RunConfig.from_dict({"model": {"model": "m", "checkpoint_keep_mlp": True}, "data": {"data": "d"}})
     with pytest.raises(UserError, match="model.checkpoint_keep_mlp: applies to checkpointed runs; add --grad-checkpoint"):
         cfg.validate(keep_mlp)
+
+
+def test_config_takes_paths_and_numpy_numbers_from_scripts(tmp_path):
+    """Research scripts build configs from pathlib.Path and NumPy scalars: they are stored as
+    plain str / int / float (the saved config.yaml must stay plain), and the old refusals hold."""
+    config = RunConfig.from_dict({
+        "model": {"model": tmp_path / "model"}, "data": {"data": tmp_path / "data", "max_seq_length": np.int64(512)},
+        "optim": {"learning_rate": np.float32(0.5), "warmup_steps": np.int32(3), "weight_decay": np.int64(0)},
+        "train": {"output_dir": tmp_path / "run", "batch_size": np.uint8(2), "memory_limit": np.float64(1.5)},
+    })
+    assert config.model.model == str(tmp_path / "model") and config.train.output_dir == str(tmp_path / "run")
+    assert config.data.data == str(tmp_path / "data")
+    values = [config.data.max_seq_length, config.optim.warmup_steps, config.train.batch_size,
+              config.optim.learning_rate, config.optim.weight_decay, config.train.memory_limit]
+    assert values == [512, 3, 2, 0.5, 0.0, 1.5]
+    assert [type(v) for v in values] == [int, int, int, float, float, float]
+    assert RunConfig.from_dict({"model": {"quantize": np.int64(4)}}).model.quantize == 4  # choices still apply
+    for section, key, value, message in [
+        ("train", "batch_size", True, "expected an integer"),
+        ("train", "batch_size", np.bool_(True), "expected an integer"),
+        ("train", "batch_size", 2.0, "expected an integer"),
+        ("train", "batch_size", np.float64(2.5), "expected an integer"),
+        ("optim", "learning_rate", np.bool_(True), "expected a number"),
+        ("optim", "learning_rate", False, "expected a number"),
+        ("model", "model", 3, "expected a string or path"),
+        ("model", "quantize", np.int64(3), "3 is not one of"),
+    ]:
+        with pytest.raises(UserError, match=f"config: {section}.{key}: {message}"):
+            RunConfig.from_dict({section: {key: value}})
 
 
 def test_default_targets_of_an_unfamiliar_layout_are_every_linear_even_beside_a_named_one():

@@ -101,6 +101,26 @@ def test_interrupt_and_resume_equals_uninterrupted(llama_dir, uninterrupted, tmp
         np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+def test_a_stop_logs_the_steps_since_the_last_record(llama_dir, uninterrupted, tmp_path):
+    # With --log-every 2 a stop after step 3 dropped step 3's record: the resumed run starts
+    # after it, and its step-4 record held step 4 alone.
+    data = uninterrupted[0]
+    every_step = tmp_path / "every"
+    Trainer(config(llama_dir, data, every_step)).train()
+    expected = {r["step"]: r["loss"] for r in map(json.loads, (every_step / "metrics.jsonl").read_text().splitlines())
+                if r["type"] == "train"}
+    out = tmp_path / "run"
+    trainer = Trainer(config(llama_dir, data, out, log_every=2))
+    stop_after(trainer, 6)  # two micro-batches a step: after step 3
+    with pytest.raises(TrainingStopped):
+        trainer.train()
+    Trainer(config(llama_dir, data, out, log_every=2, resume="latest")).train()
+    logged = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+    assert [r["step"] for r in logged] == [2, 3, 4, 6]
+    for record in logged[1:3]:  # each holds its own step alone
+        assert record["loss"] == pytest.approx(expected[record["step"]], rel=1e-6)
+
+
 def test_resume_refuses_other_settings(llama_dir, uninterrupted, tmp_path):
     data = uninterrupted[0]
     out = tmp_path / "run"

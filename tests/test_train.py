@@ -404,3 +404,40 @@ def test_resume_without_a_config_takes_the_checkpoints_settings(llama_dir, chat_
     assert saved["adapter"]["rank"] == 4 and saved["data"]["data"] == str(chat_data)
     assert main(["--resume", "latest", "--output-dir", str(tmp_path / "empty")]) == 2
     assert "has no checkpoint yet" in capsys.readouterr().err
+
+
+def test_a_model_passed_in_is_frozen_left_as_found_and_never_adapted_twice(llama_dir, tmp_path):
+    # mlx_lm.load gives an unfrozen model in evaluation mode. Trained as given, every weight
+    # trained; a second run on it wrapped LoRA inside LoRA; a refused run changed it anyway.
+    from pathlib import Path
+
+    from mlx_lm import load
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from mlxft.data import Dataset, Example
+
+    model, tokenizer = load(str(llama_dir))
+    assert not model.training
+    rows = [Example(np.arange(3, 19, dtype=np.int32), np.arange(16) >= 8) for _ in range(8)]
+    cfg = RunConfig.from_dict({"model": {"model": "given"}, "data": {"data": "given"},
+                               "train": {"output_dir": str(tmp_path / "run"), "batch_size": 4, "max_steps": 2,
+                                         "exact_match_rows": 2}})
+    with pytest.raises(UserError, match=r"exact-match reads prompts and answers from the dataset's JSONL file "
+                                        r"\(Dataset.path\), and rows is none"):
+        Trainer(cfg, model, tokenizer, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+    assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())  # refused before any change
+    cfg.train.exact_match_rows = 0
+    trainer = Trainer(cfg, model, tokenizer, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+    assert {name.rsplit(".", 1)[-1] for name, _ in tree_flatten(model.trainable_parameters())} == {"lora_a", "lora_b"}
+    trainer.train()
+    assert not model.training  # as it came
+    with pytest.raises(UserError, match="evaluate: this run has no validation set"):
+        trainer.evaluate()
+    cfg.train.output_dir = str(tmp_path / "another")
+    with pytest.raises(UserError, match="holds LoRA layers already"):
+        Trainer(cfg, model, tokenizer, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+    nothing = [Example(np.arange(3, 19, dtype=np.int32), np.zeros(16, bool))]
+    fresh, _ = load(str(llama_dir))
+    for dataset in (nothing, []):
+        with pytest.raises(UserError, match="the train dataset has no row with a supervised token"):
+            Trainer(cfg, fresh, tokenizer, datasets=(Dataset(Path("rows"), dataset, "completion"), None))
