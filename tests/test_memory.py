@@ -295,8 +295,8 @@ def wide_mlp_llama(tmp_path_factory) -> Path:
 def test_fit_memory_recomputes_the_fewest_mlps_where_the_advice_puts_that_first(wide_mlp_llama, tmp_path, capsys,
                                                                                monkeypatch):
     # An eager layer's peak on the CPU moves by one buffer of the MLP's width from probe to probe
-    # (whether a freed one is gone before the next is allocated), and half an MLP's room is one
-    # such buffer: the fitted run gets the plain run's estimate, so both price the same figures.
+    # (whether a freed one is gone before the next is allocated): half an MLP's room, or more in
+    # a full parallel suite. The fitted run gets the plain run's estimate, so both price the same figures.
     estimates, real_estimate = {}, memory.estimate
 
     def same_estimate_per_setting(model, *args, **kwargs):
@@ -311,7 +311,9 @@ def test_fit_memory_recomputes_the_fewest_mlps_where_the_advice_puts_that_first(
     plain = trainer(wide_mlp_llama, tmp_path / "a", **small, **STEADY_LOSS).estimate
     priced = plain.total_recomputing_mlp(7)
     assert plain.total_recomputing_mlp() < priced < plain.total_recomputing_mlp(6)
-    limit = (priced + plain.total_recomputing_mlp(6)) / 2  # half an MLP's room for the probes' noise
+    # Most of an MLP's room for the probes' noise: the fitted run estimates 7 recomputed MLPs
+    # afresh, and in a full parallel suite that came 0.48 GB against a limit halfway to 6 (0.4799).
+    limit = priced + 0.9 * (plain.total_recomputing_mlp(6) - priced)
     assert plain.total_recomputing(4) > limit  # checkpointing would need more than half of the layers
     before = mx.get_memory_limit()
     try:
