@@ -62,7 +62,6 @@ def test_mkl_installed_in_the_environment_comes_first_and_a_broken_one_is_passed
     assert with_fake["loaded"] == without["loaded"]
 
 
-
 def test_importing_mlx_before_mlxft_is_named_as_the_cause_not_a_missing_blas(tmp_path):
     """``import mlx_lm`` before ``import mlxft`` leaves MLX on its reference BLAS whatever is
     installed: the warning must say to reorder the imports, naming the BLAS the search would load."""
