@@ -406,8 +406,9 @@ MAX_COUNT = 2**31 - 1
 MAX_SEED = 2**64 - 1  # MLX's seed is an unsigned 64-bit integer
 
 
-def validate(config: RunConfig) -> None:
-    """Reject values no run can use, naming the field and what to do."""
+def validate(config: RunConfig, model_given: bool = False, data_given: bool = False) -> None:
+    """Reject values no run can use, naming the field and what to do. ``model_given`` and
+    ``data_given``: a script passes the model or the datasets in, so the config need not name them."""
 
     def need(ok: bool, name: str, what: str) -> None:
         if not ok:
@@ -421,8 +422,8 @@ def validate(config: RunConfig) -> None:
             if isinstance(value, int) and not isinstance(value, bool) and name != "seed":
                 need(abs(value) <= MAX_COUNT, f"{section}.{name}", f"must be at most {MAX_COUNT:,}, got {value:,}")
     need(0 <= t.seed <= MAX_SEED, "train.seed", f"must be 0 to 2**64-1, got {t.seed}")
-    need(bool(config.model.model), "model.model", "no model given; pass --model DIR_OR_REPO")
-    need(bool(d.data or d.train_file), "data.data", "no training data given; pass --data DIR or --train-file")
+    need(model_given or bool(config.model.model), "model.model", "no model given; pass --model DIR_OR_REPO")
+    need(data_given or bool(d.data or d.train_file), "data.data", "no training data given; pass --data DIR or --train-file")
     need(a.rank >= 1, "adapter.rank", f"must be >= 1, got {a.rank}")
     need(a.alpha > 0, "adapter.alpha", f"must be > 0, got {a.alpha}")
     need(0 <= a.dropout < 1, "adapter.dropout", f"must be in [0, 1), got {a.dropout}")

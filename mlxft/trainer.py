@@ -133,7 +133,7 @@ class Trainer:
 
     def __init__(self, config: RunConfig, model=None, tokenizer=None, reporter: Reporter | None = None,
                  world: distributed.World | None = None, datasets: tuple | None = None):
-        validate(config)
+        validate(config, model_given=model is not None, data_given=datasets is not None)
         self.config = config
         t = config.train
         if model is None:  # a model given has been evaluated already

@@ -419,8 +419,8 @@ def test_a_model_passed_in_is_frozen_left_as_found_and_never_adapted_twice(llama
     model, tokenizer = load(str(llama_dir))
     assert not model.training
     rows = [Example(np.arange(3, 19, dtype=np.int32), np.arange(16) >= 8) for _ in range(8)]
-    cfg = RunConfig.from_dict({"model": {"model": "given"}, "data": {"data": "given"},
-                               "train": {"output_dir": str(tmp_path / "run"), "batch_size": 4, "max_steps": 2,
+    # Neither the model nor the data need naming in the config when the script passes them in.
+    cfg = RunConfig.from_dict({"train": {"output_dir": str(tmp_path / "run"), "batch_size": 4, "max_steps": 2,
                                          "exact_match_rows": 2}})
     with pytest.raises(UserError, match=r"exact-match reads prompts and answers from the dataset's JSONL file "
                                         r"\(Dataset.path\), and rows is none"):
