@@ -24,11 +24,11 @@ _PLAIN_HEAD_TYPES = {"llama", "lfm2", "mistral", "qwen2", "qwen3", "smollm3", "o
 
 
 def absolute_name(name: str) -> str:
-    """``name`` as an absolute path where it names a local directory (as typed, a relative one
-    fails from another working directory, and two spellings of one model differ); else as is
-    (a hub id, ``builtin:...``)."""
+    """``name`` as an absolute path where it names a local file or directory (as typed, a
+    relative one fails from another working directory, and two spellings of one model differ);
+    else as is (a hub id, ``builtin:...``, nothing)."""
     path = Path(name).expanduser()
-    return str(path.resolve()) if not name.startswith("builtin:") and path.is_dir() else name
+    return str(path.resolve()) if name and not name.startswith("builtin:") and path.exists() else name
 
 
 def resolve_model_path(name: str, revision: str = "") -> Path:

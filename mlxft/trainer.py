@@ -152,6 +152,9 @@ class Trainer:
         if datasets is None:
             self.train_file, self.valid_file = data.resolve_files(
                 builtin.resolve(config.data.data), config.data.train_file, config.data.valid_file)
+            # Recorded as absolute paths too: `--resume CHECKPOINT` takes them from its config.yaml.
+            for name in ("data", "train_file", "valid_file"):
+                setattr(config.data, name, models.absolute_name(getattr(config.data, name)))
             with self.world.local_work():  # reading a large file may take longer than --dist-timeout
                 for path in (self.train_file, self.valid_file):
                     if path is not None:

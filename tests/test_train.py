@@ -366,9 +366,11 @@ def test_a_local_model_is_recorded_by_its_absolute_path(llama_dir, chat_data, tm
 
     shutil.copytree(llama_dir, tmp_path / "tiny")
     monkeypatch.chdir(tmp_path)
-    Trainer(config("tiny", chat_data, "run", max_steps=2, save_every=1)).train()
+    assert chat_data == tmp_path / "data"
+    Trainer(config("tiny", "data", "run", max_steps=2, save_every=1)).train()
     absolute = str((tmp_path / "tiny").resolve())
-    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["model"] == absolute
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["model"]["model"] == absolute and saved["data"]["data"] == str(chat_data.resolve())
     assert load_adapter_weights(tmp_path / "run" / "adapters.safetensors")[1]["base_model"] == absolute
     Trainer(config("./tiny", chat_data, "run", max_steps=3, resume="latest"))
     # A checkpoint written before: its relative name resolves where the resume is run.
@@ -401,7 +403,7 @@ def test_resume_without_a_config_takes_the_checkpoints_settings(llama_dir, chat_
     assert f"resuming with the checkpoint's settings ({run / 'checkpoint-2' / 'config.yaml'})" in out
     assert "resumed from" in out and "done: 4 steps" in out
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert saved["adapter"]["rank"] == 4 and saved["data"]["data"] == str(chat_data)
+    assert saved["adapter"]["rank"] == 4 and saved["data"]["data"] == str(chat_data.resolve())
     assert main(["--resume", "latest", "--output-dir", str(tmp_path / "empty")]) == 2
     assert "has no checkpoint yet" in capsys.readouterr().err
 
