@@ -197,8 +197,10 @@ def base_quantization(spec: AdapterSpec | None) -> dict | None:
     """How the run behind ``spec`` quantized a float base on load (QLoRA): what the adapter
     records, else (runs from before it did) its config.yaml's model section; None for a run on
     the base as it is."""
-    if spec is None or spec.base_quantization or not spec.run_config:
-        return spec.base_quantization if spec is not None else None
+    if spec is None:
+        return None
+    if spec.base_quantization or not spec.run_config:
+        return spec.base_quantization
     section = spec.run_config.get("model") or {}
     try:
         bits, group_size = int(section.get("quantize") or 0), int(section.get("quantize_group_size") or 64)

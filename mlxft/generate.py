@@ -15,6 +15,7 @@ import sys
 from typing import Iterator
 
 from mlxft.adapters import add_model_arguments
+from mlxft.config import DataConfig
 from mlxft.errors import CliParser, UserError, run_cli
 
 
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--system", default="", help="a system message to put before the prompt")
     parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default=None,
                         help="auto: the chat template when the tokenizer has one (as training does); "
-                             "raw: the prompt text as is (default: the run's, else auto)")
+                             f"raw: the prompt text as is (default: the run's, else {DataConfig.prompt_format})")
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0 = off)")
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_with_adapter(args.model, args.adapter, args.dtype)
     mx.random.seed(args.seed)
-    prompt_format = run_setting(loaded.spec, "prompt_format", args.prompt_format, "auto")
+    prompt_format = run_setting(loaded.spec, "prompt_format", args.prompt_format, DataConfig.prompt_format)
     ids = prompt_ids(loaded.tokenizer, messages_for(prompt, args.system), prompt_format)
     last = None
     try:

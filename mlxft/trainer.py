@@ -92,16 +92,12 @@ def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = 
                         "choose another --output-dir or pass --overwrite")
 
 
-def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | None, exact_match_rows: int) -> None:
+def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | None) -> None:
     """What loading a JSONL file refuses, for datasets built in Python."""
     for name, dataset in (("train", train_set), ("validation", valid_set)):
         if dataset is not None and not any(example.supervised for example in dataset.examples):
             raise UserError(f"the {name} dataset has no row with a supervised token; give rows with completions "
                             "or assistant turns")
-    scored = valid_set if valid_set is not None else train_set
-    if exact_match_rows and (scored.path is None or not Path(scored.path).is_file()):
-        raise UserError(f"train.exact_match_rows: exact-match reads prompts and answers from the dataset's JSONL file "
-                        f"(Dataset.path), and {scored.path} is none; set exact_match_rows to 0")
 
 
 def _check_unadapted(model) -> None:
@@ -188,8 +184,11 @@ class Trainer:
                 self.valid_set = load(self.valid_file) if self.valid_file else None
         else:
             self.train_set, self.valid_set = datasets
-            _check_given_datasets(self.train_set, self.valid_set, t.exact_match_rows)
-        scored = self.valid_set if self.valid_set is not None else self.train_set
+            _check_given_datasets(self.train_set, self.valid_set)
+        scored = self.valid_set if self.valid_set is not None else self.train_set  # what exact-match reads
+        if t.exact_match_rows and (scored.path is None or not Path(scored.path).is_file()):  # a dataset built in Python
+            raise UserError(f"train.exact_match_rows: exact-match reads prompts and answers from the dataset's JSONL "
+                            f"file (Dataset.path), and {scored.path} is none; set exact_match_rows to 0")
         if t.exact_match_rows and scored.kind == "text":
             raise UserError(f"train.exact_match_rows: {scored.path} holds text rows, which have no prompt and answer "
                             "to score; set --exact-match-rows 0")
