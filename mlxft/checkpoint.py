@@ -454,6 +454,23 @@ def remove_partial_saves(run_dir: Path) -> list[Path]:
     return doomed
 
 
+def first_impostor_in(run_dir: Path, last_step: int) -> str | None:
+    """The name of the first thing in ``run_dir`` that no mlxft run wrote and that a run of
+    ``last_step`` steps would save over: a user's own ``final/``, a ``checkpoint-N`` up to that
+    step, a ``latest`` that is no link. --overwrite removes an earlier run's checkpoints only."""
+    for path in sorted(Path(run_dir).iterdir()):
+        if path.name == LATEST and not path.is_symlink():
+            return path.name
+        named = _ANY_CHECKPOINT.match(path.name)
+        if named and _checkpoint_state(path) is None and (path.name == "final" or _step_of(path.name) <= last_step):
+            return path.name
+    return None
+
+
+def _step_of(name: str) -> int:
+    return int(name.split("-")[1])
+
+
 def first_output_in(run_dir: Path) -> str | None:
     """The name of the first thing in ``run_dir`` that a run writes over, if any. A
     ``metrics.jsonl`` of no training step is not: a run stopped (Ctrl-C, a crash) before its

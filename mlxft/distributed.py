@@ -154,6 +154,10 @@ class World:
 
 _WATCHDOG = r"""
 import os, select, signal, sys
+# Ctrl-C or a closed terminal signals the whole process group: the rank stops with a checkpoint,
+# still guarded (a peer lost meanwhile), and this process ends when the rank closes the pipe.
+for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
 fd, timeout, parent = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 messages = {b"i": sys.argv[4], b"p": sys.argv[5]}
 phase, paused = b"i", False

@@ -29,6 +29,15 @@ class CliParser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"error: {message} ({self.prog} --help lists the options)\n")
 
 
+def print_error(message: str) -> None:
+    """Print to standard error, quietly dropping the line when that stream is gone (a terminal
+    that hung up): the message is never worth a traceback of its own."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):  # AttributeError: sys.stderr is None (fd 2 closed)
+        pass
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message, for quoting in a one-line error; its type's
     name when the message is empty (some library errors carry none)."""

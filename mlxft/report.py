@@ -3,9 +3,11 @@ and every report appended to ``metrics.jsonl`` in the run directory."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 
@@ -17,8 +19,12 @@ class Reporter:
         self.enabled = enabled  # False on data-parallel ranks other than 0
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
-        self.stream = stream or sys.stdout
+        self.stream = stream or sys.stdout or open(os.devnull, "w")  # sys.stdout is None when fd 1 is closed
         self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        # Called once when the stream stops taking lines (the reader of a pipe went away, the
+        # terminal hung up): the trainer stops with a checkpoint rather than train unwatched.
+        self.on_stream_lost: Callable[[BaseException], None] | None = None
+        self.stream_lost = False
         self._window_start = time.perf_counter()
         self._loss_sum = 0.0
         self._tokens = 0
@@ -27,12 +33,27 @@ class Reporter:
         self.last_train_loss: float | None = None
 
     def _print(self, line: str) -> None:
-        if not self.enabled:
+        if self.enabled:
+            self._write(("\r\033[K" if self.live else "") + line + "\n")
+
+    def _write(self, text: str) -> None:
+        if self.stream_lost:
             return
-        if self.live:
-            self.stream.write("\r\033[K")
-        self.stream.write(line + "\n")
-        self.stream.flush()
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError) as err:  # EPIPE (`| head`), EIO (a hung-up terminal), a closed file
+            self._lose_stream(err)
+
+    def _lose_stream(self, err: BaseException) -> None:
+        self.stream_lost = True
+        if self.stream is sys.stdout:
+            try:  # later prints and the exit's flush then go nowhere instead of raising again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+        if self.on_stream_lost is not None:
+            self.on_stream_lost(err)
 
     def info(self, line: str) -> None:
         self._print(line)
@@ -45,8 +66,7 @@ class Reporter:
         self.unlogged_steps += 1
         if self.live and self.enabled:
             loss = self._loss_sum / max(self._tokens, 1)
-            self.stream.write(f"\r\033[K[{step}/{self.total_steps}] {self._bar(step)} loss {loss:.4f}")
-            self.stream.flush()
+            self._write(f"\r\033[K[{step}/{self.total_steps}] {self._bar(step)} loss {loss:.4f}")
 
     def _bar(self, step: int, width: int = 24) -> str:
         done = int(width * step / max(self.total_steps, 1))

@@ -1,5 +1,5 @@
-"""Stop requests from SIGINT / SIGTERM: the first asks the loop to save and stop at the next
-micro-batch boundary; a second one exits at once."""
+"""Stop requests from SIGINT / SIGTERM / SIGHUP: the first asks the loop to save and stop at
+the next micro-batch boundary; a second one exits at once."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ class Interrupted(Exception):
 class StopRequests:
     """Installs handlers for the lifetime of a ``with`` block (main thread only)."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    # SIGHUP: the terminal closed (a dropped SSH session), which by default kills the run unsaved.
+    SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
     def __init__(self):
         self.signum: int | None = None
+        self._reason = ""
         self._previous: dict[int, object] = {}
         self._interrupt = False
 
@@ -27,14 +29,15 @@ class StopRequests:
     def requested(self) -> bool:
         return self.signum is not None
 
-    def request(self, signum: int = signal.SIGTERM) -> None:
-        """Ask the loop to stop as a signal would (also usable from code and tests)."""
-        self.signum = signum
+    def request(self, signum: int = signal.SIGTERM, reason: str = "") -> None:
+        """Ask the loop to stop as a signal would (also usable from code and tests); ``reason``
+        names the cause in messages instead of the signal."""
+        self.signum, self._reason = signum, reason
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is not None:
+        if self.signum is not None and not self._reason:
             os._exit(128 + signum)  # a second signal: the user wants out now
-        self.signum = signum
+        self.signum, self._reason = signum, ""  # a signal after a request from code is the first
         if self._interrupt:
             self._interrupt = False
             raise Interrupted(self.name)
@@ -68,4 +71,6 @@ class StopRequests:
 
     @property
     def name(self) -> str:
+        if self._reason:
+            return self._reason
         return signal.Signals(self.signum).name if self.signum else "stop request"

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from mlxft import config as cfg  # the package import preloads an optimized BLAS before MLX is imported
-from mlxft.errors import CliParser, UserError, run_cli
+from mlxft.errors import CliParser, UserError, print_error, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = fine_tune(config)
     except TrainingStopped as stop:
-        print(f"error: {stop}" if stop.exit_code == 1 else str(stop), file=sys.stderr)
+        print_error(f"error: {stop}" if stop.exit_code == 1 else str(stop))
         return stop.exit_code
     except PeerLost as lost:
-        print(f"error: {lost}", file=sys.stderr)
+        print_error(f"error: {lost}")
         return lost.exit_code
     if not result.main_process:
         return 0

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 from mlxft import _blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, normed, packing
 from mlxft.config import RunConfig, validate
-from mlxft.errors import UserError, first_line
+from mlxft.errors import UserError, first_line, print_error
 from mlxft.gguf import check_output_apart
 from mlxft.loss import cross_entropy, evaluation_loss, hidden_loss, loss_fn
 from mlxft.optim import build_optimizer
@@ -256,9 +256,14 @@ class Trainer:
                 dropped = checkpoint.drop_metrics_after(self.run_dir, self.step_count)
             else:  # a new run here, though it may start from another run's checkpoint
                 if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
+                    impostor = checkpoint.first_impostor_in(self.run_dir, self.total_steps)
+                    if impostor:
+                        raise UserError(f"output directory {self.run_dir} holds {impostor}, which no mlxft run wrote "
+                                        "and which this run would replace; move it away or choose another --output-dir")
                     checkpoint.remove_checkpoints(self.run_dir)
                 checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
+        self.reporter.on_stream_lost = self._output_lost
         # The run's limits hold while it estimates and trains, and no longer (see memory.Limits).
         with self._run_limits():
             self._describe()
@@ -446,6 +451,15 @@ class Trainer:
             self._show_answers(before, after)
             result.exact_match_before, result.exact_match_after = before[0], after[0]
         return result
+
+    def _output_lost(self, err: BaseException) -> None:
+        """The progress stream went away (``| head``, a closed terminal): stop at the next
+        micro-batch with a checkpoint, as SIGPIPE would stop a program that had not saved, rather
+        than train on unwatched. Once every step is done there is nothing left to stop."""
+        if self.step_count < self.total_steps and not self.stop.requested:
+            self.stop.request(signal.SIGPIPE, "a closed standard output")
+            print_error(f"warning: the progress output failed ({first_line(err)}); stopping at the next step "
+                        "with a checkpoint")
 
     def _compile_first_step(self) -> None:
         """With several ranks, build the first micro-batch's kernels as local work. The first

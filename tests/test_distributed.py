@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -274,6 +275,39 @@ def test_watchdog_pauses_for_local_work_only():
     finally:
         victim.kill()
         world.close()
+
+
+def _wait_until_ignored(pid: int, sig: int, timeout: float = 30.0) -> None:
+    status = Path(f"/proc/{pid}/status")
+    if not status.exists():  # not Linux: time for the interpreter to start
+        time.sleep(2)
+        return
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        ignored = next(line for line in status.read_text().splitlines() if line.startswith("SigIgn:"))
+        if int(ignored.split()[1], 16) >> (sig - 1) & 1:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} never ignored signal {sig}")
+
+
+def test_watchdog_outlives_the_signals_that_stop_its_rank():
+    """Ctrl-C reaches the watchdog too (one process group): it used to die with a traceback,
+    leaving the rank's emergency stop unguarded. It ends when the rank closes its pipe."""
+    victim = subprocess.Popen(["sleep", "30"])
+    watchdog = distributed._Watchdog(0, "ring", 60, parent=victim.pid)
+    try:
+        _wait_until_ignored(watchdog._proc.pid, signal.SIGHUP)  # the interpreter has started
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            watchdog._proc.send_signal(sig)
+        time.sleep(0.5)
+        assert watchdog._proc.poll() is None
+        watchdog.stop()
+        assert watchdog._proc.returncode == 0 and victim.poll() is None
+    finally:
+        victim.kill()
+        if watchdog._proc.poll() is None:
+            watchdog._proc.kill()
 
 
 def test_pause_and_resume_wait_on_a_full_pipe_and_beats_do_not():

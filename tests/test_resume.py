@@ -324,8 +324,31 @@ def test_output_dir_with_files_a_run_writes_is_refused_unless_overwrite(tmp_path
         (tmp_path / name).write_text("mine")
         with pytest.raises(UserError, match=f"holds {name}, which a run would overwrite; choose another --output-dir"):
             check_output_dir(tmp_path, overwrite=False)
-        check_output_dir(tmp_path, overwrite=True)
+        check_output_dir(tmp_path, overwrite=True)  # see the next test for what a run then refuses
         (tmp_path / name).unlink()
+
+
+def test_overwrite_replaces_checkpoints_but_not_a_users_directory_of_a_checkpoints_name(llama_dir, uninterrupted,
+                                                                                          tmp_path):
+    # --overwrite removed the earlier run's checkpoints only, and the final save then swapped a
+    # user's own final/ (or a file named checkpoint-2, or latest) out and deleted it.
+    run = tmp_path / "run"
+    Trainer(config(llama_dir, uninterrupted[0], run, max_steps=2)).train()
+    for name, make in (("final", "dir"), ("checkpoint-2", "file"), ("checkpoint-1-emergency", "dir"), ("latest", "dir")):
+        mine = tmp_path / "mine" / name
+        mine.mkdir(parents=True) if make == "dir" else mine.write_text("mine")
+        if make == "dir":
+            (mine / "notes.txt").write_text("mine")
+        os.replace(run / name, tmp_path / "theirs") if (run / name).exists() or (run / name).is_symlink() else None
+        os.replace(mine, run / name)
+        before = files(run)
+        with pytest.raises(UserError, match=f"holds {name}, which no mlxft run wrote and which this run would "
+                                            "replace; move it away"):
+            Trainer(config(llama_dir, uninterrupted[0], run, overwrite=True, max_steps=2))
+        assert files(run) == before
+        os.replace(run / name, mine)
+        if (tmp_path / "theirs").exists() or (tmp_path / "theirs").is_symlink():
+            os.replace(tmp_path / "theirs", run / name)
 
 
 def test_a_failed_swap_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
@@ -634,6 +657,71 @@ def test_sigterm_saves_an_emergency_checkpoint_and_resume_finishes(llama_dir, un
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {latest}" in resumed.stdout
     assert json.loads((out / "training_state.json").read_text())["step"] == state["step"] + 2
+
+
+@pytest.mark.parametrize("cause", ["SIGHUP", "closed stdout"])
+def test_a_closed_terminal_or_pipe_stops_with_an_emergency_checkpoint(llama_dir, uninterrupted, tmp_path, cause):
+    # Both used to end the run with nothing saved since the last checkpoint: SIGHUP (a dropped
+    # SSH session) killed it, and a closed pipe (`| head`) raised at the next progress line.
+    out = tmp_path / "run"
+    proc = cli(*long_run_args(llama_dir, uninterrupted[0], out), "--save-every", 1000)
+    wait_for(proc, "step 2/")
+    if cause == "SIGHUP":
+        proc.send_signal(signal.SIGHUP)
+        proc.stdout.read()
+        code, reason = 128 + signal.SIGHUP, "SIGHUP"
+    else:
+        proc.stdout.close()
+        code, reason = 128 + signal.SIGPIPE, "a closed standard output"
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == code, err
+    assert f"stopped by {reason} at step" in err and "--resume latest" in err and "Traceback" not in err, err
+    assert (out / "latest").resolve().name.endswith("-emergency")
+
+
+def test_a_lost_progress_stream_stops_and_the_resumed_run_equals_an_uninterrupted_one(llama_dir, uninterrupted,
+                                                                                       tmp_path):
+    data, expected, expected_steps = uninterrupted
+    out = tmp_path / "run"
+
+    class Gone:  # a pipe whose reader leaves after the first two lines
+        writes = 0
+
+        def write(self, text):
+            self.writes += 1
+            if self.writes > 2:
+                raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    first = Trainer(config(llama_dir, data, out))
+    first.reporter.stream = Gone()
+    with pytest.raises(TrainingStopped, match="stopped by a closed standard output") as stopped:
+        first.train()
+    assert stopped.value.exit_code == 128 + signal.SIGPIPE and stopped.value.checkpoint.name.endswith("-emergency")
+    assert first.step_count < 6
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["type"] == "train"] == list(range(1, first.step_count + 1))  # still recorded
+    resumed = Trainer(config(llama_dir, data, out, resume="latest"))
+    resumed.train()
+    assert resumed.optimizer.state["step"].item() == expected_steps
+    for name, value in weights(resumed.model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_a_request_from_code_does_not_make_the_first_signal_a_second():
+    code = (
+        "import os, signal, time\n"
+        "from mlxft.signals import StopRequests\n"
+        "with StopRequests() as stop:\n"
+        "    stop.request(signal.SIGPIPE, 'a closed standard output')\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.2)\n"
+        "    print(stop.name, flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "SIGINT\n", proc.stderr
 
 
 def test_sigkill_during_saves_leaves_a_loadable_checkpoint(llama_dir, uninterrupted, tmp_path):
