@@ -173,20 +173,42 @@ def check_row(row: dict, where: str) -> str:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise UserError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
-            _need_text(m["role"], f"messages[{i}].role", where)
-            _need_text(m["content"], f"messages[{i}].content", where)
+            _need_all_text(m, f"messages[{i}]", where)  # tool calls and the like reach the template too
+        tools = row.get("tools")
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+                raise UserError(f"{where}: field 'tools' must be a list of objects (function schemas)")
+            _need_all_text(tools, "tools", where)
     return kind
+
+
+def _need_all_text(value, name: str, where: str) -> None:
+    """:func:`_need_text` for every string nested in ``value`` (keys included)."""
+    if isinstance(value, str):
+        _need_text(value, name, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _need_text(str(key), f"{name} key", where)
+            _need_all_text(item, f"{name}.{key}", where)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _need_all_text(item, f"{name}[{i}]", where)
 
 
 def check_file(path: Path) -> None:
     """Every row of ``path`` well-formed and of one shape: what can be checked before the model
     (and its tokenizer) is loaded, so a bad file fails in a moment rather than after minutes."""
-    _one_shape(path, {check_row(row, f"{path} line {number}") for number, row in read_jsonl(path)})
+    kinds: dict[str, int] = {}
+    for number, row in read_jsonl(path):
+        kinds.setdefault(check_row(row, f"{path} line {number}"), number)
+    _one_shape(path, kinds)
 
 
-def _one_shape(path: Path, kinds: set[str]) -> str:
+def _one_shape(path: Path, kinds: dict[str, int]) -> str:
+    """The one shape of a file's rows; ``kinds`` maps each shape met to its first line."""
     if len(kinds) > 1:
-        raise UserError(f"{path}: rows mix shapes ({', '.join(sorted(kinds))}); use one shape per file")
+        first = ", ".join(f"{kind} at line {number}" for kind, number in sorted(kinds.items(), key=lambda k: k[1]))
+        raise UserError(f"{path}: rows mix shapes ({first}); use one shape per file")
     return next(iter(kinds))
 
 
@@ -213,11 +235,14 @@ def _from_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[in
     return ids, mask
 
 
-def _render(tokenizer, messages, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tokenizer, messages, generation_prompt: bool, tools: list | None = None) -> str:
+    """The chat as the template writes it; ``tools`` (a row's function schemas, as mlx-lm's chat
+    rows give them) go to the template, which lists them where the model will see them."""
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **extra)
 
 
-def _incremental_spans(tokenizer, messages: list, full: str) -> list[tuple[int, int]] | None:
+def _incremental_spans(tokenizer, messages: list, full: str, tools: list | None = None) -> list[tuple[int, int]] | None:
     """Assistant spans when every prefix of the chat renders as a prefix of the whole.
 
     A turn runs from the end of the prefix rendered with a generation prompt to the end of
@@ -231,8 +256,8 @@ def _incremental_spans(tokenizer, messages: list, full: str) -> list[tuple[int, 
         if i == 0:  # no prompt to end a role header; the content search leaves the header out
             return None
         try:
-            prompt = _render(tokenizer, messages[:i], True)
-            upto = _render(tokenizer, messages[: i + 1], False)
+            prompt = _render(tokenizer, messages[:i], True, tools)
+            upto = _render(tokenizer, messages[: i + 1], False, tools)
         except Exception:  # a template that rejects a prefix (one that must end the chat with an answer)
             return None
         if not (upto.startswith(prompt) and full.startswith(upto)) or (spans and len(prompt) < spans[-1][1]):
@@ -349,20 +374,28 @@ def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tup
             continue
         start, end = at
         limit = next((s for s, _ in filter(None, found[i + 1:]) if s > start), len(full))
+        own = full.find(header, start, limit) if header and start == end else -1  # this turn's header
         if start == end:
-            close = full.rfind(end_of_turn, start, limit) if end_of_turn else -1
+            # This turn's own end-of-turn: the first after its header. Empty messages after it
+            # (a tool that returned "", an empty user turn) render their turns before ``limit``.
+            if end_of_turn:
+                close = full.find(end_of_turn, own + len(header), limit) if own >= 0 else full.rfind(end_of_turn, start, limit)
+            else:
+                close = -1
             if close < 0:
                 continue
             start = end = close
             # What the template wrote for the turn besides its content (tool calls) counts too;
             # an empty reasoning block alone does not.
-            h = full.rfind(header, at[0], close) if header else -1
+            h = own if own >= 0 else (full.rfind(header, at[0], close) if header else -1)
             if h >= 0:
                 body = full[h + len(header):close]
                 kept = without_reasoning(body)
                 if kept.strip():
                     start = close - len(kept.lstrip())
-        elif end_of_turn and not full.startswith(end_of_turn, end):
+        else:
+            start = _with_reasoning_before(full, header, start, spans[-1][1] if spans else 0)
+        if start != end and end_of_turn and not full.startswith(end_of_turn, end):
             close = full.find(end_of_turn, end, limit)  # tool calls after the content, then its end-of-turn
             if close >= 0:
                 end = close
@@ -375,16 +408,31 @@ def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tup
     return spans
 
 
-def encode_chat(tokenizer, messages: list, completion_only: bool, where: str) -> tuple[list[int], list[bool]]:
+def _with_reasoning_before(full: str, header: str, start: int, floor: int) -> int:
+    """Where an answer's span starts when the template wrote a non-empty reasoning block
+    (Qwen3's ``reasoning_content``) between the turn's header and the content: at the block,
+    which the model is to learn as the incremental spans teach it; else at ``start``."""
+    h = full.rfind(header, floor, start) if header else -1
+    if h < 0:
+        return start
+    body = full[h + len(header):start]
+    block = _REASONING.match(body)
+    if block is None or body[block.end():].strip() or not block.group(0).strip()[len("<think>"):-len("</think>")].strip():
+        return start
+    return h + len(header) + (len(body) - len(body.lstrip()))
+
+
+def encode_chat(tokenizer, messages: list, completion_only: bool, where: str,
+                tools: list | None = None) -> tuple[list[int], list[bool]]:
     """Render with the chat template; supervise every assistant turn, its end-of-turn included.
-    ``messages`` are well-formed (:func:`check_row`)."""
+    ``messages`` (and ``tools``) are well-formed (:func:`check_row`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"{where}: chat rows need a tokenizer with a chat template; this model's tokenizer has none")
     try:
-        full = _render(tokenizer, messages, False)
+        full = _render(tokenizer, messages, False, tools)
     except Exception as err:  # jinja raises its own exception types for template errors
         raise UserError(f"{where}: the chat template rejected these messages ({first_line(err)})") from err
-    spans = _incremental_spans(tokenizer, messages, full) or _content_spans(tokenizer, messages, full, where)
+    spans = _incremental_spans(tokenizer, messages, full, tools) or _content_spans(tokenizer, messages, full, where)
     segments: list[tuple[str, bool]] = []
     done = 0
     for start, end in spans:
@@ -403,7 +451,7 @@ def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, 
         ids = _encode(tokenizer, row["text"], special=True) + [_eos(tokenizer)]
         return kind, ids, [True] * len(ids)
     if kind == "chat":
-        return (kind, *encode_chat(tokenizer, row["messages"], completion_only, where))
+        return (kind, *encode_chat(tokenizer, row["messages"], completion_only, where, row.get("tools")))
     prompt, completion = row["prompt"], row["completion"]
     use_chat = prompt_format == "chat" or (prompt_format == "auto" and getattr(tokenizer, "chat_template", None))
     if use_chat:
@@ -420,12 +468,12 @@ def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bo
     """Tokenize every row once; truncate long rows and skip rows with nothing supervised, saying
     so on stderr unless not ``warn`` (a data-parallel run's other ranks)."""
     examples: list[Example] = []
-    kinds: set[str] = set()
+    kinds: dict[str, int] = {}
     truncated = skipped = 0
     for number, row in read_jsonl(path):
         where = f"{path} line {number}"
         kind, ids, mask = encode_row(row, tokenizer, completion_only, prompt_format, where)
-        kinds.add(kind)
+        kinds.setdefault(kind, number)
         if len(ids) > max_seq_length:
             ids, mask = ids[:max_seq_length], mask[:max_seq_length]
             truncated += 1

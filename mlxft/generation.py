@@ -35,16 +35,18 @@ class QAPair(NamedTuple):
     messages: list[dict]  # the prompt: what comes before the answer
     reference: str
     chat: bool = False  # from a chat row, which training renders with the chat template whatever --prompt-format says
+    tools: list | None = None  # the chat row's function schemas, which its template shows the model
 
 
-def prompt_ids(tokenizer, messages: list[dict], prompt_format: str = "auto") -> list[int]:
+def prompt_ids(tokenizer, messages: list[dict], prompt_format: str = "auto", tools: list | None = None) -> list[int]:
     use_chat = prompt_format == "chat" or (prompt_format == "auto" and getattr(tokenizer, "chat_template", None))
     if use_chat:
         if not getattr(tokenizer, "chat_template", None):  # as training checks (data.encode_chat)
             raise UserError("--prompt-format chat needs a tokenizer with a chat template; this model's tokenizer "
                             "has none; use --prompt-format raw")
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **({"tools": tools} if tools else {}))
         except Exception as err:  # jinja raises its own exception types for template errors
             raise UserError(f"the chat template rejected the prompt's messages ({first_line(err)}); "
                             "leave out --system if the template takes none, or use --prompt-format raw") from err
@@ -69,7 +71,7 @@ def qa_pairs(path, limit: int) -> list[QAPair]:
             last = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=None)
             if not last:
                 continue
-            pairs.append(QAPair(msgs[:last], msgs[last]["content"], chat=True))
+            pairs.append(QAPair(msgs[:last], msgs[last]["content"], chat=True, tools=row.get("tools")))
         elif "prompt" in row and "completion" in row and row["prompt"].strip():
             pairs.append(QAPair([{"role": "user", "content": row["prompt"]}], row["completion"]))
         if len(pairs) >= limit:
@@ -95,7 +97,7 @@ def exact_match(model, tokenizer, pairs, prompt_format: str = "auto", max_tokens
 
     if not pairs:
         return 0.0, []
-    prompts = [prompt_ids(tokenizer, pair.messages, "chat" if pair.chat else prompt_format) for pair in pairs]
+    prompts = [prompt_ids(tokenizer, pair.messages, "chat" if pair.chat else prompt_format, pair.tools) for pair in pairs]
     was_training = model.training
     model.eval()
     try:

@@ -1,6 +1,7 @@
 """Rows to ids and masks, and masks to batches."""
 
 import itertools
+import json
 import re
 
 import numpy as np
@@ -155,7 +156,7 @@ def test_truncation_and_skipping_are_counted(tmp_path, tokenizer, capsys):
         ('{"text": "a\\ud800b"}\n', "line 1: field 'text' holds an unpaired surrogate"),
         ('{"messages": [{"role": "user", "content": "\\udc00"}]}\n', "line 1: field 'messages[0].content' holds an unpaired"),
         ("\n\n", "holds no rows"),
-        ('{"text": "a"}\n{"prompt": "p", "completion": "c"}\n', "rows mix shapes"),
+        ('{"text": "a"}\n{"prompt": "p", "completion": "c"}\n', "rows mix shapes (text at line 1, completion at line 2)"),
         (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "line 2: not UTF-8 text"),  # a Latin-1 export
         ('{"text": "ok"}\n{"n": 1' + "0" * 5000 + "}\n", "line 2: JSON Python cannot read"),
         ("[" * 100_000 + "]" * 100_000 + "\n", "line 1: JSON Python cannot read"),
@@ -258,6 +259,72 @@ def test_tool_calls_of_earlier_turns_are_supervised(tokenizer, content, first):
     spans = [tokenizer.decode([i for i, _ in group])
              for flag, group in itertools.groupby(zip(ids, mask), key=lambda pair: pair[1]) if flag]
     assert spans == [first, "It is sunny.<|im_end|>\n"]
+
+
+def supervised_spans(tokenizer, ids, mask):
+    return [tokenizer.decode([i for i, _ in group])
+            for flag, group in itertools.groupby(zip(ids, mask), key=lambda pair: pair[1]) if flag]
+
+
+@pytest.mark.parametrize("empty_role", ["tool", "user"])
+def test_an_empty_message_after_an_empty_answer_is_not_supervised(tokenizer, empty_role):
+    # The empty answer's end-of-turn was taken as the last one before the next content, the
+    # empty tool (or user) turn's: its header and wrapper were trained as the assistant's.
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": TOOL_CALL},
+                {"role": empty_role, "content": ""},
+                {"role": "assistant", "content": "It is sunny."}]
+    ids, mask = encode_chat(tokenizer, messages, True, "test")
+    assert supervised_spans(tokenizer, ids, mask) == [TOOL_CALL_TEXT, "It is sunny.<|im_end|>\n"]
+
+
+def test_reasoning_content_is_supervised_in_every_turn_the_template_shows_it(tokenizer):
+    # Qwen3 writes an answer's reasoning_content before it; in chats of several turns (found by
+    # content) the span started at the answer, so the reasoning was shown but never a target.
+    turn = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "add them"}]
+    earlier = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
+    inline = earlier + [turn[0], {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"}]
+    expected = "<think>\nadd them\n</think>\n\n4<|im_end|>\n"
+    for messages, spans in ((turn, [expected]), (earlier + turn, ["2<|im_end|>\n", expected]),
+                            (inline, ["2<|im_end|>\n", expected])):
+        ids, mask = encode_chat(tokenizer, messages, True, "test")
+        assert supervised_spans(tokenizer, ids, mask) == spans
+
+
+def test_a_chat_rows_tools_reach_the_template_in_training_and_exact_match(tokenizer, tmp_path):
+    # mlx-lm's chat rows carry "tools"; they were dropped, so the model learned tool calls
+    # without ever seeing the tools' descriptions.
+    from mlxft import generation
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    row = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                        {"role": "assistant", "content": "", "tool_calls": TOOL_CALL},
+                        {"role": "tool", "content": "sunny"},
+                        {"role": "assistant", "content": "It is sunny."}], "tools": tools}
+    path = tmp_path / "train.jsonl"
+    write_jsonl(path, [row])
+    example = load_dataset(path, tokenizer, 4096).examples[0]
+    text = tokenizer.decode(example.ids.tolist())
+    assert "Weather for a city" in text
+    assert supervised_spans(tokenizer, example.ids.tolist(), example.mask.tolist()) == [
+        TOOL_CALL_TEXT, "It is sunny.<|im_end|>\n"]
+    pair = generation.qa_pairs(path, 1)[0]
+    assert "Weather for a city" in tokenizer.decode(generation.prompt_ids(tokenizer, pair.messages, "chat", pair.tools))
+    for bad in ({"name": "x"}, ["x"]):
+        write_jsonl(path, [{**row, "tools": bad}])
+        with pytest.raises(UserError, match="line 1: field 'tools' must be a list of objects"):
+            check_file(path)
+
+
+def test_a_lone_surrogate_anywhere_in_a_message_is_a_one_line_error(tmp_path):
+    path = tmp_path / "train.jsonl"
+    call = [{"type": "function", "function": {"name": "f", "arguments": {"city": "Par\ud800is"}}}]
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                             {"role": "assistant", "content": "", "tool_calls": call}]}) + "\n")
+    with pytest.raises(UserError, match=r"line 1: field 'messages\[1\]\.tool_calls\[0\]\.function\.arguments\.city' "
+                                        "holds an unpaired surrogate"):
+        check_file(path)
 
 
 @pytest.mark.parametrize("content, answer", [("", "sunny"), ("ok", "ok")])
