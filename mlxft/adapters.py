@@ -549,26 +549,45 @@ def base_model_name(model: str | None, spec: AdapterSpec | None) -> str:
     return builtin.resolve(name)
 
 
+def base_revision(model: str | None, revision: str | None, spec: AdapterSpec | None) -> str:
+    """``--revision`` when given; else, for the base an mlxft run records, the hub revision the
+    run trained on (its config.yaml's), so the adapter goes on the weights it was trained with."""
+    if revision:
+        return revision
+    if model or spec is None or not spec.run_config:
+        return ""
+    return str((spec.run_config.get("model") or {}).get("revision") or "")
+
+
 def add_model_arguments(parser) -> None:
-    """The --model / --adapter / --dtype flags of the CLIs that load through :func:`load_with_adapter`."""
+    """The --model / --revision / --adapter / --dtype flags of the CLIs that load through
+    :func:`load_with_adapter`."""
     parser.add_argument("--model", metavar="BASE",
                         help="base model directory or hub id (default: the base recorded in --adapter)")
+    add_revision_argument(parser)
     parser.add_argument("--adapter", metavar="DIR",
                         help="run directory, checkpoint, mlx-lm or PEFT adapter directory (omit for the base alone)")
     parser.add_argument("--dtype", choices=("auto", *models.DTYPES), default="auto",
                         help="compute dtype (auto: float32 on the CPU, bfloat16 on a GPU)")
 
 
-def load_with_adapter(model: str | None, adapter: str | None, dtype: str = "auto") -> Loaded:
-    """Load the base (as the adapter was trained: an mlxft run's quantization is reused), put
-    the adapter on it, and take the tokenizer the run saved (else the base's)."""
+def add_revision_argument(parser) -> None:
+    parser.add_argument("--revision", metavar="REV", default="",
+                        help="hub branch, tag or commit of a hub --model (default: the revision an mlxft run "
+                             "recorded for its base, else the hub's default branch)")
+
+
+def load_with_adapter(model: str | None, adapter: str | None, dtype: str = "auto", revision: str = "") -> Loaded:
+    """Load the base (as the adapter was trained: an mlxft run's quantization and hub revision
+    are reused), put the adapter on it, and take the tokenizer the run saved (else the base's)."""
     weights, spec = load_adapter_dir(adapter) if adapter else (None, None)
     name = base_model_name(model, spec)
     quantized = base_quantization(spec) or {"bits": 0, "group_size": 64, "dtype": dtype}
     quantize, group_size, run_dtype = quantized["bits"], quantized["group_size"], quantized["dtype"]
     try:
         base, tokenizer, path, config = load_base(name, dtype, quantize, group_size, spec.path if spec else None,
-                                                  quantize_dtype=run_dtype)
+                                                  quantize_dtype=run_dtype,
+                                                  revision=base_revision(model, revision, spec))
     except UserError as err:
         if model or spec is None:
             raise
@@ -580,7 +599,7 @@ def load_with_adapter(model: str | None, adapter: str | None, dtype: str = "auto
 
 
 def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, tokenizer_dir: Path | None = None,
-              quantize_dtype: str | None = None):
+              quantize_dtype: str | None = None, revision: str = ""):
     """``models.load`` for a model an adapter goes on: ``(model, tokenizer, path, config)``.
 
     The tokenizer is the one ``tokenizer_dir`` (a run directory) saved when it holds one: the
@@ -592,7 +611,7 @@ def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int
     """
     from mlx_lm.utils import load_model, load_tokenizer, quantize_model
 
-    path = models.resolve_model_path(name)
+    path = models.resolve_model_path(name, revision)
     try:
         model, config = load_model(path)
         tokenizer = run_tokenizer(Path(tokenizer_dir), config) if tokenizer_dir else None

@@ -94,14 +94,18 @@ def evaluate(model, tokenizer, path, *, batch_size: int = TrainConfig.batch_size
     check_counts(batch_size, max_seq_length, max_batches, loss_chunk)
     path = Path(path)
     dataset = data.load_dataset(path, tokenizer, max_seq_length, completion_only, prompt_format)
+    was_training = model.training  # a research script's training loop keeps its dropout
     model.eval()
     loss_sum, tokens, rows = mx.array(0.0), mx.array(0.0), 0
-    for indices in data.epoch_batches(dataset.lengths, batch_size, 0, 0, shuffle=False, max_batches=max_batches):
-        batch = data.make_batch([dataset.examples[j] for j in indices], batch_size, bucket)
-        loss, ntokens = evaluation_loss(model, *batch.arrays(), chunk=loss_chunk)
-        loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
-        mx.eval(loss_sum, tokens)
-        rows += len(indices)  # --max-batches may stop short of the whole set
+    try:
+        for indices in data.epoch_batches(dataset.lengths, batch_size, 0, 0, shuffle=False, max_batches=max_batches):
+            batch = data.make_batch([dataset.examples[j] for j in indices], batch_size, bucket)
+            loss, ntokens = evaluation_loss(model, *batch.arrays(), chunk=loss_chunk)
+            loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
+            mx.eval(loss_sum, tokens)
+            rows += len(indices)  # --max-batches may stop short of the whole set
+    finally:
+        model.train(was_training)
     count = int(tokens.item())
     if count == 0:  # a loss of 0 and perplexity of 1 would read as a perfect model
         raise UserError(f"{path}: no token was scored (no row has a supervised token); "
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     path = data_file(args.data)
     from mlxft.adapters import load_with_adapter, run_setting
 
-    loaded = load_with_adapter(args.model, args.adapter, args.dtype)
+    loaded = load_with_adapter(args.model, args.adapter, args.dtype, args.revision)
     result = evaluate(loaded.model, loaded.tokenizer, path, batch_size=args.batch_size,
                       max_seq_length=run_setting(loaded.spec, "max_seq_length", args.max_seq_length,
                                                  DataConfig.max_seq_length),

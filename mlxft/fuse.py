@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from mlxft.adapters import add_revision_argument
 from mlxft.errors import CliParser, UserError, run_cli
 
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(omit to re-write the base as is)")
     parser.add_argument("--model", metavar="BASE",
                         help="base model directory or hub id (default: the base recorded in the adapter directory)")
+    add_revision_argument(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="directory to write (must not exist or be empty)")
     parser.add_argument("--dequantize", action="store_true",
                         help="write float weights when the base is quantized (exact, and loadable by transformers); "
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def fuse(adapter: str | None, model: str | None, out, *, dequantize: bool = False, dtype: str = "auto",
-         max_shard_gb: float = 5.0, overwrite: bool = False) -> Path:
+         max_shard_gb: float = 5.0, overwrite: bool = False, revision: str = "") -> Path:
     """Load base and adapter, merge, and write the model directory; return its path."""
     from mlxft import hf, models
     from mlxft.adapters import load_with_adapter
@@ -52,7 +54,7 @@ def fuse(adapter: str | None, model: str | None, out, *, dequantize: bool = Fals
     check_output_apart(out, "--out", {"adapter directory": adapter, "base model": model})
     if not (0 < max_shard_gb < float("inf")):  # nan and inf fail here, not after the model has loaded
         raise UserError(f"--max-shard-size must be a number of GB > 0, got {max_shard_gb}")
-    loaded = load_with_adapter(model, adapter, dtype="float32")  # merge in float32, cast when writing
+    loaded = load_with_adapter(model, adapter, dtype="float32", revision=revision)  # merged in float32, cast when written
     # The base the run recorded is an input too.
     check_output_apart(out, "--out", {"base model": loaded.model_path})
     base_dtype = hf.stored_dtype(loaded.model_path)
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.adapter and not args.model:
         raise UserError("pass --adapter RUN_DIR (and optionally --model BASE), or --model alone to re-write a base")
     fuse(args.adapter, args.model, args.out, dequantize=args.dequantize, dtype=args.dtype,
-         max_shard_gb=args.max_shard_size, overwrite=args.overwrite)
+         max_shard_gb=args.max_shard_size, overwrite=args.overwrite, revision=args.revision)
     return 0
 
 

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlxft.adapters import load_with_adapter, run_setting
     from mlxft.generation import prompt_ids
 
-    loaded = load_with_adapter(args.model, args.adapter, args.dtype)
+    loaded = load_with_adapter(args.model, args.adapter, args.dtype, args.revision)
     mx.random.seed(args.seed)
     prompt_format = run_setting(loaded.spec, "prompt_format", args.prompt_format, DataConfig.prompt_format)
     ids = prompt_ids(loaded.tokenizer, messages_for(prompt, args.system), prompt_format)

@@ -37,6 +37,43 @@ def test_generate_cli_streams_the_adapted_models_greedy_answer(llama_dir, runs_r
     assert proc.stdout == expected + "\n"
 
 
+def test_the_tools_load_the_hub_revision_a_run_trained_on(llama_dir, runs_root, tmp_path, monkeypatch, capsys):
+    # evaluate, generate and fuse loaded the hub's default branch whatever revision the run used.
+    import huggingface_hub
+
+    from mlxft import RunConfig, Trainer
+    from mlxft.fuse import main as fuse_main
+
+    fetched = []
+
+    def snapshot_download(name, revision=None, **kwargs):
+        fetched.append((name, revision))
+        return str(llama_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    run = tmp_path / "run"
+    Trainer(RunConfig.from_dict({"model": {"model": "someorg/tiny-llama", "revision": "v1.0"},
+                                 "data": {"data": str(data_dir(runs_root))},
+                                 "train": {"output_dir": str(run), "max_steps": 1, "memory_estimate": False,
+                                           "exact_match_rows": 0}})).train()
+    assert fetched == [("someorg/tiny-llama", "v1.0")]
+    valid = str(data_dir(runs_root))
+    assert evaluate_main(["--adapter", str(run), "--data", valid, "--max-batches", "1"]) == 0
+    assert generate_main(["--adapter", str(run), "--prompt", "hi", "--max-tokens", "1"]) == 0
+    assert fuse_main(["--adapter", str(run), "--out", str(tmp_path / "fused")]) == 0
+    assert evaluate_main(["--adapter", str(run), "--data", valid, "--max-batches", "1", "--revision", "v2"]) == 0
+    assert fetched[1:] == [("someorg/tiny-llama", "v1.0")] * 3 + [("someorg/tiny-llama", "v2")]
+
+
+def test_evaluate_leaves_the_model_in_the_mode_it_came_in(llama_dir, runs_root):
+    run = trained_run(runs_root, llama_dir)
+    loaded = adapters.load_with_adapter(None, str(run))
+    for mode in (True, False):
+        loaded.model.train(mode)
+        evaluate(loaded.model, loaded.tokenizer, data_dir(runs_root) / "valid.jsonl", max_batches=1)
+        assert loaded.model.training is mode
+
+
 def test_evaluate_is_token_weighted_and_matches_the_trainer(llama_dir, runs_root, capsys):
     run = trained_run(runs_root, llama_dir)
     valid = data_dir(runs_root) / "valid.jsonl"
