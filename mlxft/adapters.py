@@ -517,6 +517,14 @@ def run_settings(path, model: nn.Module | None = None, base_layers: int | None =
     return settings
 
 
+def base_settings(path) -> dict:
+    """The ``model`` config fields a run starting from the adapter in ``path`` defaults to: a
+    QLoRA adapter's quantization (``quantize``, ``quantize_group_size``), so it goes on training
+    over the base it was trained on; nothing for an adapter of a float base."""
+    quantized = base_quantization(load_adapter_dir(path)[1])
+    return {"quantize": quantized["bits"], "quantize_group_size": quantized["group_size"]} if quantized else {}
+
+
 # ---------------------------------------------------------------------------------------
 # The base model an adapter belongs to
 

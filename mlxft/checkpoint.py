@@ -599,10 +599,13 @@ RESUME_FORCEABLE = ("model.model", "model.revision", "model.dtype", "model.quant
 
 
 def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: bool,
-                 saved_data: str | None = None, train_data: str | None = None) -> list[str]:
+                 saved_data: str | None = None, train_data: str | None = None,
+                 saved_dtype: str | None = None, dtype: str | None = None) -> list[str]:
     """Refuse a resume whose settings or training data differ from the checkpoint's; return
     the differences ``force`` let through. ``saved_data`` and ``train_data`` are training-set
-    fingerprints (:attr:`mlxft.data.Dataset.fingerprint`; checkpoints before them have none)."""
+    fingerprints (:attr:`mlxft.data.Dataset.fingerprint`; checkpoints before them have none),
+    ``saved_dtype`` and ``dtype`` the dtypes computed in, which one ``model.dtype`` (auto)
+    names differently on a CPU and a GPU."""
 
     def get(config, dotted):
         section, key = dotted.split(".")
@@ -617,6 +620,8 @@ def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: 
     unquantized = not get(current, "model.quantize")  # then the group size means nothing
     pairs = [(f, get(saved, f), get(current, f)) for f in RESUME_FIXED + RESUME_FORCEABLE
              if not (unquantized and f == "model.quantize_group_size")] + [("task", saved_task, task)]
+    if saved_dtype is not None:
+        pairs.append(("the compute dtype (model.dtype)", saved_dtype, dtype))
     for field_name, old, new in pairs:
         if old == new:
             continue

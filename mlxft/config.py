@@ -273,7 +273,10 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, numbers.Real):  # Real takes np.float32 and np.int64
             raise UserError(f"{where}: expected a number, got {value!r}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise UserError(f"{where}: {value} is too large for a number") from None
     elif isinstance(default, list):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -375,7 +378,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace, config_path: str | None) -> RunConfig:
     """Defaults, then the YAML file, then CLI flags; then validate. With ``adapter.init_adapter``
-    the adapter fields neither of them sets take the starting adapter's own layout."""
+    the adapter fields neither of them sets take the starting adapter's own layout, and the
+    model's quantization a QLoRA adapter's."""
     config = RunConfig()
     from_file = load_yaml(config_path) if config_path else {}
     apply_overrides(config, from_file, str(config_path))
@@ -386,15 +390,23 @@ def resolve(args: argparse.Namespace, config_path: str | None) -> RunConfig:
             overrides.setdefault(section, {})[name] = value
     apply_overrides(config, overrides, "command line")
     if config.adapter.init_adapter:
-        from mlxft.adapters import run_settings
+        from mlxft.adapters import base_settings, run_settings
+        from mlxft.checkpoint import resolve_checkpoint
         from mlxft.models import local_layer_count
 
         given = set(from_file.get("adapter") or {}) | set(overrides.get("adapter", {}))
-        settings = run_settings(Path(config.adapter.init_adapter).expanduser(),
-                                base_layers=local_layer_count(config.model.model))
+        given_model = set(from_file.get("model") or {}) | set(overrides.get("model", {}))
+        # Resuming, the checkpoint holds the layout (and the weights): the starting adapter may
+        # have moved since, or be named relative to another directory.
+        source = (resolve_checkpoint(config.train.resume, Path(config.train.output_dir).expanduser())
+                  if config.train.resume else Path(config.adapter.init_adapter).expanduser())
+        settings = run_settings(source, base_layers=local_layer_count(config.model.model))
         for name, value in settings.items():
             if name not in given:
                 setattr(config.adapter, name, value)
+        for name, value in base_settings(source).items():  # a QLoRA adapter's quantized base
+            if name not in given_model:
+                setattr(config.model, name, value)
     validate(config)
     return config
 

@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.temp < 0 or not 0 <= args.top_p <= 1:
-        raise UserError("--temp must be >= 0 and --top-p in [0, 1]")
+    if not 0 <= args.temp < float("inf") or not 0 <= args.top_p <= 1:  # nan fails both comparisons
+        raise UserError("--temp must be a finite number >= 0 and --top-p in [0, 1]")
     if not 0 <= args.seed < 2**64:  # MLX's seed is an unsigned 64-bit integer
         raise UserError(f"--seed must be 0 to 2**64-1, got {args.seed}")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

@@ -111,6 +111,10 @@ def _check_unadapted(model) -> None:
                         "an adapter): load the base again, and start from that adapter with adapter.init_adapter")
 
 
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]  # "mlx.core.bfloat16" -> "bfloat16"
+
+
 def dropout_seed(seed: int, epoch: int, micro_batch: int, world: distributed.World) -> int:
     """The random seed a micro-batch's dropout draws from: a function of its position alone, so
     a resumed run draws the same noise; and of the rank, since each rank's share of the rows
@@ -171,8 +175,12 @@ class Trainer:
             check_output_apart(self.run_dir, "--output-dir", {"model directory": model_path,
                                                               "starting adapter": config.adapter.init_adapter},
                                inside_is_apart=True)
-            # Recorded as an absolute path: resumed, fused or evaluated from any directory.
+            # Recorded as absolute paths: resumed, fused or evaluated from any directory.
             config.model.model = models.absolute_name(config.model.model)
+        elif config.model.quantize and not models.is_quantized(model):  # its adapter would say QLoRA
+            raise UserError(f"config field model.quantize is {config.model.quantize}, but the model passed in is not "
+                            "quantized; quantize it first (mlx_lm.utils.quantize_model) or set model.quantize to 0")
+        config.adapter.init_adapter = models.absolute_name(config.adapter.init_adapter)
         self.model, self.tokenizer = model, tokenizer
 
         load = partial(data.load_dataset, tokenizer=tokenizer, max_seq_length=config.data.max_seq_length,
@@ -193,11 +201,27 @@ class Trainer:
             raise UserError(f"train.exact_match_rows: {scored.path} holds text rows, which have no prompt and answer "
                             "to score; set --exact-match-rows 0")
 
-        # The model changes only once the data has passed its checks: a refused run leaves a
-        # model the caller passed in as it was.
+        batches_per_epoch = math.ceil(len(self.train_set) / t.batch_size)
+        self.steps_per_epoch = math.ceil(batches_per_epoch / t.grad_accum_steps)
+        self.total_steps = t.max_steps or t.epochs * self.steps_per_epoch
+        saved, forced = None, []
+        if resume_from:
+            with self.world.local_work():
+                saved = checkpoint.load_checkpoint(resume_from)
+            forced = checkpoint.check_resume(saved["config"], config.to_dict(), saved["state"].get("task"),
+                                             self.train_set.kind, t.force, saved["state"].get("train_data"),
+                                             self.train_set.fingerprint, saved["state"].get("compute_dtype"),
+                                             _dtype_name(models.compute_dtype(model)))
+            if saved["state"]["step"] > self.total_steps:  # it would train nothing and save over `final`
+                raise UserError(f"--resume {t.resume}: the checkpoint is at step {saved['state']['step']}, past this "
+                                f"run's {self.total_steps} steps; raise --max-steps or --epochs to train further")
+
+        # The model changes only once the data (and the checkpoint resumed) have passed their
+        # checks: a refused run leaves a model the caller passed in as it was.
         _check_unadapted(model)
         model.freeze()  # mlx_lm.load's is not: unfrozen, "LoRA" would train every weight
-        if config.adapter.init_adapter:
+        # Resuming, the checkpoint's weights replace the starting adapter's (its layout is checked).
+        if config.adapter.init_adapter and saved is None:
             from mlxft.adapters import start_from
 
             self.targets = start_from(model, config.adapter, config.adapter.init_adapter, t.seed)
@@ -211,9 +235,6 @@ class Trainer:
             models.checkpoint_layers(model, config.model.checkpoint_layers, config.model.checkpoint_keep_mlp)
         self.world.heartbeat()
 
-        batches_per_epoch = math.ceil(len(self.train_set) / t.batch_size)
-        self.steps_per_epoch = math.ceil(batches_per_epoch / t.grad_accum_steps)
-        self.total_steps = t.max_steps or t.epochs * self.steps_per_epoch
         self.optimizer = build_optimizer(config.optim, self.total_steps)
         self.scaler = LossScaler(enabled=models.compute_dtype(model) == mx.float16)
         # Position in the data and the open accumulation window: what exact resume needs.
@@ -231,11 +252,8 @@ class Trainer:
         # Marks this run's checkpoints, so pruning never deletes another run's (or a user's) directories.
         self.run_id = uuid.uuid4().hex
         self.tokenizer_saved = False
-        with self.world.local_work():
-            forced = self._restore(resume_from) if resume_from else []
-        if self.step_count > self.total_steps:  # it would train nothing and save over `final`
-            raise UserError(f"--resume {t.resume}: the checkpoint is at step {self.step_count}, past this run's "
-                            f"{self.total_steps} steps; raise --max-steps or --epochs to train further")
+        if saved is not None:
+            self._restore(resume_from, saved)
         self.step = build_step(model, self.optimizer, partial(loss_fn, label_smoothing=config.optim.label_smoothing,
                                                                   chunk=config.model.loss_chunk, training=True),
                                config.optim.max_grad_norm, reduce=self.world.all_sum if self.world.size > 1 else None)
@@ -399,7 +417,7 @@ class Trainer:
                 raise TrainingStopped(
                     f"out of memory at step {self.step_count + 1} ({first_line(err)}); "
                     + self._advice(self.memory_limit)
-                    + "; then --resume latest to continue from the last checkpoint",
+                    + f"; then --resume {self.run_dir / checkpoint.LATEST} to continue from the last checkpoint",
                     1, None) from err
             if self.world.size == 1:
                 raise
@@ -411,9 +429,11 @@ class Trainer:
         if self.pacing is None:
             self._pace_memory(first=True)
         self._bound_cache()
-        if self.valid_set is not None and self.step_count == 0 and self.batch_index == 0:
+        # A resumed run's weights are partly trained: its baselines are the step-0 records it has.
+        fresh = self.step_count == 0 and self.batch_index == 0
+        if self.valid_set is not None and fresh:
             self._evaluate()  # the baseline the validation curve starts from
-        before = self._exact_match("before training") if t.exact_match_rows else None
+        before = self._exact_match("before training") if t.exact_match_rows and fresh else None
         self.reporter.start_clock()  # the first logged window times training, not what came before it
         self._compile_first_step()
         with self.stop:
@@ -431,7 +451,8 @@ class Trainer:
                         self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
                         path = self.save_checkpoint("emergency")
                         raise TrainingStopped(f"stopped by {self.stop.name} at step {self.step_count}; saved {path}; "
-                                              "continue with --resume latest", 128 + self.stop.signum, path)
+                                              f"continue with --resume {self.run_dir / checkpoint.LATEST}",
+                                              128 + self.stop.signum, path)
                     self._micro_step(batches)
                 if self.batch_index >= len(batches):
                     self.epoch, self.batch_index = self.epoch + 1, 0
@@ -446,10 +467,12 @@ class Trainer:
                                       128 + self.stop.signum, path)
         result = TrainResult(self.run_dir, self.step_count, self.reporter.last_train_loss, self.last_val_loss,
                              self.skipped_steps, main_process=self.world.is_main)
-        if before is not None:
+        if t.exact_match_rows:
             after = self._exact_match("after training")
-            self._show_answers(before, after)
-            result.exact_match_before, result.exact_match_after = before[0], after[0]
+            result.exact_match_after = after[0]
+            if before is not None:
+                self._show_answers(before, after)
+                result.exact_match_before = before[0]
         return result
 
     def _output_lost(self, err: BaseException) -> None:
@@ -543,7 +566,8 @@ class Trainer:
                 floor = " at the loss scale's floor of 1" if self.scaler.enabled else ""
                 raise TrainingStopped(
                     f"gradients were not finite for {streak} steps in a row{floor} (step {done.step}); saved {path}. "
-                    "Lower --learning-rate, set --max-grad-norm, or check the data, then --resume latest", 1, path)
+                    "Lower --learning-rate, set --max-grad-norm, or check the data, then --resume "
+                    f"{self.run_dir / checkpoint.LATEST}", 1, path)
             later = steps[n + 1:] + self.pending
             self._after_step(done, later[0].queued_at if later else self.window_queued_at)
 
@@ -744,6 +768,8 @@ class Trainer:
             "last_val_loss": self.last_val_loss,
             "loss_scaler": self.scaler.state(),
             "run_id": self.run_id,
+            # model.dtype "auto" is float32 on a CPU and bfloat16 on a GPU: what it resolved to
+            "compute_dtype": _dtype_name(models.compute_dtype(self.model)),
         }
 
     def save_checkpoint(self, kind: str, run_files: bool = False) -> Path:
@@ -776,12 +802,10 @@ class Trainer:
         self.world.main_rank_work(write)
         return self.run_dir / name
 
-    def _restore(self, path: Path) -> list[str]:
-        """Load a checkpoint's weights, optimizer, random state and position."""
-        saved = checkpoint.load_checkpoint(path)
+    def _restore(self, path: Path, saved: dict) -> None:
+        """Put a checkpoint's weights, optimizer, random state and position (``saved``, read
+        from ``path`` and checked against this run) in place."""
         state = saved["state"]
-        forced = checkpoint.check_resume(saved["config"], self.config.to_dict(), state.get("task"), self.train_set.kind,
-                                         self.config.train.force, state.get("train_data"), self.train_set.fingerprint)
         checkpoint.apply_adapter_weights(self.model, saved["adapters"], str(path / checkpoint.ADAPTER_FILE))
         optimizer = dict(saved["optimizer"])
         self.optimizer.init(self.model.trainable_parameters())
@@ -800,7 +824,6 @@ class Trainer:
         self.best_val_loss, self.last_val_loss = state["best_val_loss"], state["last_val_loss"]
         self.scaler.load(state["loss_scaler"])
         self.run_id = state.get("run_id") or self.run_id  # older checkpoints have none: theirs are never pruned
-        return forced
 
     def save(self) -> None:
         """The run directory's adapters, configs, state and tokenizer (rank 0; every rank calls this)."""

@@ -384,3 +384,20 @@ def test_a_qlora_run_exported_for_mlx_lm_keeps_its_quantized_base(llama_dir, run
     with pytest.raises(UserError, match="adapter_config.json: base_quantization must be an object with bits, "
                                         "group_size and dtype"):
         adapters.load_adapter_dir(damaged)
+
+
+def test_init_adapter_from_a_qlora_run_keeps_training_over_the_quantized_base(llama_dir, runs_root, tmp_path):
+    # The layout came from the adapter but the quantization did not: the run went on over the
+    # float base, and its own adapter recorded no quantization.
+    from mlxft import config as cfg
+    from mlxft.train import parser
+
+    run = synthetic_run(runs_root, llama_dir, "lora", quantize=4)
+    common = ["--model", str(llama_dir), "--data", "d", "--init-adapter", str(run)]
+    resolved = cfg.resolve(parser().parse_args(common), None)
+    assert (resolved.model.quantize, resolved.model.quantize_group_size) == (4, 32)
+    given = cfg.resolve(parser().parse_args([*common, "--quantize", "0"]), None)  # a flag that is given stands
+    assert given.model.quantize == 0
+    float_run = synthetic_run(runs_root, llama_dir, "lora")
+    plain = cfg.resolve(parser().parse_args(["--model", str(llama_dir), "--data", "d", "--init-adapter", str(float_run)]), None)
+    assert plain.model.quantize == 0

@@ -192,3 +192,12 @@ def test_running_out_of_host_memory_or_losing_stdout_is_one_line(capsys):
     proc.stdout.readline()
     proc.stdout.close()
     assert proc.stderr.read().decode() == "error: standard output was closed; stopping\n" and proc.wait() == 1
+
+
+@pytest.mark.parametrize("temp", ["nan", "inf", "-1"])
+def test_generate_refuses_a_temperature_it_cannot_sample_with(temp, capsys):
+    # nan passed the `< 0` check and sampled token 0 over and over.
+    from mlxft.generate import main as generate_main
+
+    assert generate_main(["--model", "no-such-model", "--prompt", "hi", "--temp", temp]) == 2
+    assert capsys.readouterr().err == "error: --temp must be a finite number >= 0 and --top-p in [0, 1]\n"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -647,7 +648,7 @@ def test_sigterm_saves_an_emergency_checkpoint_and_resume_finishes(llama_dir, un
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "stopped by SIGTERM" in err and "--resume latest" in err
+    assert "stopped by SIGTERM" in err and f"continue with --resume {out / 'latest'}" in err
     latest = (out / "latest").resolve()
     assert latest.name.endswith("-emergency")
     state = json.loads((latest / "trainer_state.json").read_text())
@@ -675,7 +676,7 @@ def test_a_closed_terminal_or_pipe_stops_with_an_emergency_checkpoint(llama_dir,
         code, reason = 128 + signal.SIGPIPE, "a closed standard output"
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == code, err
-    assert f"stopped by {reason} at step" in err and "--resume latest" in err and "Traceback" not in err, err
+    assert f"stopped by {reason} at step" in err and f"--resume {out / 'latest'}" in err and "Traceback" not in err, err
     assert (out / "latest").resolve().name.endswith("-emergency")
 
 
@@ -722,6 +723,83 @@ def test_a_request_from_code_does_not_make_the_first_signal_a_second():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout == "SIGINT\n", proc.stderr
+
+
+def test_a_refused_resume_leaves_a_model_passed_in_untouched(llama_dir, uninterrupted, tmp_path):
+    # The checkpoint was checked after LoRA went on: the caller's model kept the layers, and
+    # the corrected call was then refused for holding adapters already.
+    from mlx_lm import load
+    from mlx_lm.tuner.lora import LoRALinear
+
+    out = tmp_path / "run"
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=4)).train()
+    model, tokenizer = load(str(llama_dir))
+    for changes, message in (({"rank": 4}, "adapter.rank is 4"), ({"max_steps": 2}, "past this run's 2 steps")):
+        cfg = config(llama_dir, uninterrupted[0], out, resume=str(out / "final"))
+        for name, value in changes.items():
+            setattr(cfg.adapter if name == "rank" else cfg.train, name, value)
+        with pytest.raises(UserError, match=message):
+            Trainer(cfg, model, tokenizer)
+        assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())
+    with pytest.raises(UserError, match="model.quantize is 4, but the model passed in is not quantized"):
+        cfg = config(llama_dir, uninterrupted[0], tmp_path / "q", max_steps=1)
+        cfg.model.quantize = 4
+        Trainer(cfg, model, tokenizer)
+
+
+def test_a_checkpoint_computed_in_another_dtype_is_refused_unless_forced(llama_dir, uninterrupted, tmp_path):
+    # model.dtype "auto" is bfloat16 on a GPU and float32 on a CPU: the same string resumed a
+    # GPU checkpoint in float32 (and a full fine-tune's float32 masters were dropped).
+    out = tmp_path / "run"
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=4)).train()
+    state_file = out / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["compute_dtype"] == "float32"
+    state_file.write_text(json.dumps({**state, "compute_dtype": "bfloat16"}))  # as a GPU run saves it
+    with pytest.raises(UserError, match="the compute dtype \\(model.dtype\\) is 'float32' but the checkpoint was "
+                                        "trained with 'bfloat16' \\(pass --force"):
+        Trainer(config(llama_dir, uninterrupted[0], out, resume=str(out / "checkpoint-2")))
+    Trainer(config(llama_dir, uninterrupted[0], out, resume=str(out / "checkpoint-2"), force=True))
+
+
+def test_a_run_from_a_starting_adapter_resumes_from_anywhere_once_the_adapter_is_gone(llama_dir, uninterrupted,
+                                                                                      tmp_path):
+    # init_adapter was recorded as typed and read again on resume, though the checkpoint holds
+    # the weights: from another directory, or with the adapter moved, the resume failed.
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    common = ["--model", llama_dir, "--data", uninterrupted[0], "--batch-size", 2, "--exact-match-rows", 0,
+              "--no-memory-estimate"]
+    run = lambda *args, cwd: subprocess.run([sys.executable, "-m", "mlxft.train", *map(str, args)], cwd=cwd,
+                                            capture_output=True, text=True, timeout=300)
+    first = run(*common, "--output-dir", "A", "--max-steps", 1, "--rank", 4, cwd=work)
+    assert first.returncode == 0, first.stderr
+    second = run(*common, "--output-dir", "B", "--init-adapter", "A", "--max-steps", 4, "--save-every", 2, cwd=work)
+    assert second.returncode == 0, second.stderr
+    saved = yaml.safe_load((work / "B" / "checkpoint-2" / "config.yaml").read_text())
+    assert saved["adapter"]["init_adapter"] == str(work / "A") and saved["adapter"]["rank"] == 4
+    shutil.rmtree(work / "A")
+    resumed = run("--resume", work / "B" / "checkpoint-2", cwd=elsewhere)
+    assert resumed.returncode == 0, resumed.stderr
+    again = run(*common, "--output-dir", "B", "--init-adapter", "A", "--max-steps", 4, "--resume",
+                "B/checkpoint-2", cwd=work)  # the original command: the layout comes from the checkpoint
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_resumed_run_keeps_its_exact_match_baseline_from_step_0(llama_dir, tmp_path):
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", CHAT_ROWS)
+    write_jsonl(data / "valid.jsonl", CHAT_ROWS[:3])
+    out = tmp_path / "run"
+    first = Trainer(config(llama_dir, data, out, exact_match_rows=2, epochs=1))
+    stop_after(first, 4)
+    with pytest.raises(TrainingStopped):
+        first.train()
+    result = Trainer(config(llama_dir, data, out, exact_match_rows=2, epochs=1, resume="latest")).train()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "exact_match"] == [0, result.steps]
+    assert [r["step"] for r in records if r["type"] == "eval"][0] == 0
+    assert result.exact_match_before is None and result.exact_match_after is not None
 
 
 def test_sigkill_during_saves_leaves_a_loadable_checkpoint(llama_dir, uninterrupted, tmp_path):

@@ -282,7 +282,9 @@ def test_yaml_numbers_pyyaml_reads_as_strings(tmp_path):
     assert resolve_cli(config_path=path).optim.learning_rate == 1e-4
     for bad, message in [("optim:\n  learning_rate: fast\n", "expected a number, got 'fast'"),
                          ("optim:\n  learning_rate: inf\n", "must be a finite number"),
-                         ("train:\n  batch_size: '4'\n", "expected an integer, got '4'")]:
+                         ("train:\n  batch_size: '4'\n", "expected an integer, got '4'"),
+                         ("train:\n  memory_limit: 1" + "0" * 400 + "\n", "train.memory_limit: 1" + "0" * 400
+                          + " is too large for a number")]:  # was an OverflowError traceback
         path.write_text(bad)
         with pytest.raises(UserError, match=re.escape(message)):
             resolve_cli(config_path=path)
