@@ -297,7 +297,8 @@ def test_watchdog_outlives_the_signals_that_stop_its_rank():
     victim = subprocess.Popen(["sleep", "30"])
     watchdog = distributed._Watchdog(0, "ring", 60, parent=victim.pid)
     try:
-        _wait_until_ignored(watchdog._proc.pid, signal.SIGHUP)  # the interpreter has started
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # nohup ignores SIGHUP from the start
+            _wait_until_ignored(watchdog._proc.pid, sig)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             watchdog._proc.send_signal(sig)
         time.sleep(0.5)

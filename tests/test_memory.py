@@ -110,20 +110,21 @@ def test_checkpointing_lowers_the_estimated_activations(wider_model, tmp_path):
     assert 0.75 <= partial.estimate.total / measured <= 1.25, (partial.estimate.describe(), measured / memory.GB)
 
 
-def test_layers_before_the_trained_ones_keep_nothing(wider_llama, tmp_path):
-    # --num-layers 2 of 4: the backward pass never reaches the first two layers.
-    everything = trainer(wider_llama, tmp_path / "a").estimate
-    last_two = trainer(wider_llama, tmp_path / "b", num_layers=2)
-    assert last_two.estimate is not None and last_two.estimate.activations < everything.activations
-    last_two.train()
-    measured = measured_peak(last_two)
-    assert 0.75 <= last_two.estimate.total / measured <= 1.25, (last_two.estimate.describe(), measured / memory.GB)
-
-
 # Where a limit lies between two layer counts, the loss's peak must not move from probe to probe
 # by as much as one layer's recomputation saving (about 21 MB here). In chunks it moves with how
 # far the CPU backend has queued the next chunks; scored in one chunk and unpaced it does not.
 STEADY_LOSS = {"loss_chunk": 1 << 16, "pace_memory": False}
+
+
+def test_layers_before_the_trained_ones_keep_nothing(wider_llama, tmp_path):
+    # --num-layers 2 of 4: the backward pass never reaches the first two layers. Paced and in
+    # chunks, a busy CI machine's peak came 1.43x this estimate (the backend queued further).
+    everything = trainer(wider_llama, tmp_path / "a", **STEADY_LOSS).estimate
+    last_two = trainer(wider_llama, tmp_path / "b", num_layers=2, **STEADY_LOSS)
+    assert last_two.estimate is not None and last_two.estimate.activations < everything.activations
+    last_two.train()
+    measured = measured_peak(last_two)
+    assert 0.75 <= last_two.estimate.total / measured <= 1.25, (last_two.estimate.describe(), measured / memory.GB)
 
 
 def test_advice_recomputes_as_few_layers_as_fit_the_limit(wider_llama, tmp_path):
