@@ -426,6 +426,10 @@ def validate(config: RunConfig, model_given: bool = False, data_given: bool = Fa
         if not ok:
             raise UserError(f"config field {name}: {what}")
 
+    for section in SECTIONS:  # values a script assigned (a Path, a NumPy number) pass as from_dict's do
+        target = getattr(config, section)
+        for f in fields(target):
+            setattr(target, f.name, _coerce(getattr(target, f.name), f, f"config field {section}.{f.name}"))
     a, d, o, t = config.adapter, config.data, config.optim, config.train
     for section in SECTIONS:  # inf and nan pass most range checks below, then break the run
         for name, value in vars(getattr(config, section)).items():

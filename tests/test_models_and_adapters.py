@@ -166,6 +166,17 @@ def test_config_takes_paths_and_numpy_numbers_from_scripts(tmp_path):
     ]:
         with pytest.raises(UserError, match=f"config: {section}.{key}: {message}"):
             RunConfig.from_dict({section: {key: value}})
+    # Assigned to the dataclasses directly they crashed the save (yaml cannot write them) with
+    # a traceback, after the run directory was made; validation now coerces them alike.
+    assigned = RunConfig()
+    assigned.model.model, assigned.optim.learning_rate, assigned.train.batch_size = tmp_path, np.float32(0.5), np.int64(2)
+    assigned.data.data = tmp_path
+    cfg.validate(assigned)
+    assert (assigned.model.model, assigned.optim.learning_rate, assigned.train.batch_size) == (str(tmp_path), 0.5, 2)
+    assert [type(v) for v in (assigned.optim.learning_rate, assigned.train.batch_size)] == [float, int]
+    assigned.train.batch_size = "4"
+    with pytest.raises(UserError, match="config field train.batch_size: expected an integer, got '4'"):
+        cfg.validate(assigned)
 
 
 def test_default_targets_of_an_unfamiliar_layout_are_every_linear_even_beside_a_named_one():
