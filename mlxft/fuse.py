@@ -48,10 +48,13 @@ def fuse(adapter: str | None, model: str | None, out, *, dequantize: bool = Fals
     """Load base and adapter, merge, and write the model directory; return its path."""
     from mlxft import hf, models
     from mlxft.adapters import load_with_adapter
-    from mlxft.gguf import check_output_apart
+    from mlxft.gguf import _check_destination, check_output_apart
 
     out = Path(out).expanduser()
-    check_output_apart(out, "--out", {"adapter directory": adapter, "base model": model})
+    # --adapter may name the weights file in its directory: the directory is what is read.
+    adapter_dir = Path(adapter).expanduser().parent if adapter and Path(adapter).expanduser().is_file() else adapter
+    check_output_apart(out, "--out", {"adapter directory": adapter_dir, "base model": model})
+    _check_destination(out, overwrite)  # before the model loads, not after the merge
     if not (0 < max_shard_gb < float("inf")):  # nan and inf fail here, not after the model has loaded
         raise UserError(f"--max-shard-size must be a number of GB > 0, got {max_shard_gb}")
     loaded = load_with_adapter(model, adapter, dtype="float32", revision=revision)  # merged in float32, cast when written

@@ -12,8 +12,10 @@ The output directory holds what ``mlx_lm.load`` (and Hugging Face tooling) expec
 Reading is done by MLX itself (``mx.load(path, format="gguf")``). What MLX returns decides what
 we can keep: Q4_0, Q4_1 and Q8_0 blocks come back as MLX affine-quantized triples
 (``weight``/``scales``/``biases``, group size 32) that map exactly onto llama.cpp's blocks, so they
-are kept as they are (or dequantized on request); a few other types (Q2_K, Q6_K, BF16) come
-back already dequantized to float16; the rest cannot be read at all and are refused up front.
+are kept as they are (or dequantized on request); Q2_K and Q6_K come back already dequantized
+to float16; BF16 would too (losing float16's subnormals and past its range), so those tensors
+are read from the file's bytes as they are; the rest cannot be read at all and are refused up
+front.
 Q4_K (most of a Q4_K_M file) MLX 0.32 reads too, but wrongly (every second 32-value sub-block
 gets the wrong scale), so we decode those tensors ourselves from the file's bytes, in float32.
 
@@ -59,10 +61,10 @@ GGML_TYPE_NAMES = {
 # Types MLX 0.32 reads: kept exactly (F32, F16, Q4_0, Q4_1, Q8_0) or widened/narrowed to float16
 # by its bundled gguflib (Q2_K, Q6_K, BF16). Measured: the others raise or vanish silently.
 # Q4_K it reads with wrong scales (measured against llama.cpp): we re-decode it (dequantize_q4_k).
-GGML_Q4_K = 12
+GGML_Q4_K, GGML_BF16 = 12, 30
 MLX_READABLE_TYPES = {0, 1, 2, 3, 8, 10, GGML_Q4_K, 14, 30}
 # Types that cannot stay quantized: they are dequantized on load and written as floats.
-DEQUANTIZED_TYPES = {10, GGML_Q4_K, 14, 30}
+DEQUANTIZED_TYPES = {10, GGML_Q4_K, 14}
 # Q4_K super-block: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit quants.
 Q4_K_VALUES, Q4_K_BYTES = 256, 144
 
@@ -284,21 +286,22 @@ def read_gguf(
         raise UserError(
             f"{path}: MLX cannot read this GGUF ({reason}); re-download or re-export it"
         ) from None
-    _check_bf16_range(path, types, tensors)
     for name, info in infos.items():
         if info.type == GGML_Q4_K and name in tensors:
             tensors[name] = _read_q4_k(path, name, info)
+        elif info.type == GGML_BF16 and name in tensors:
+            tensors[name] = _read_bf16(path, name, info)
     return tensors, metadata, types
 
 
-def _check_bf16_range(path: Path, types: dict[str, int], tensors: dict[str, mx.array]) -> None:
-    """MLX reads BF16 tensors as float16 (measured): values past float16's range become inf."""
-    for name, ggml_type in types.items():
-        if ggml_type == 30 and name in tensors and mx.isinf(tensors[name]).any().item():
-            raise UserError(
-                f"{path}: tensor {name} is BF16 with values beyond float16's range, and MLX "
-                "reads BF16 GGUF tensors as float16; use an F16, F32 or Q8_0 GGUF of this model"
-            )
+def _read_bf16(path: Path, name: str, info: TensorInfo) -> mx.array:
+    """A BF16 tensor as stored: MLX reads them as float16 (measured), which turns values past
+    float16's range into inf and rounds those below its normal range (2e-8 becomes 0)."""
+    count = int(np.prod(info.shape))
+    raw = np.fromfile(path, dtype=np.uint16, count=count, offset=info.offset)
+    if raw.size != count:
+        raise UserError(f"{path}: tensor {name} ends past the end of the file; re-download it")
+    return mx.array(raw.reshape(info.shape)).view(mx.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -592,6 +595,9 @@ def _quantization_config(layer_bits: dict[str, int | bool]) -> dict[str, Any] | 
 
 
 def _check_destination(out_dir: Path, overwrite: bool) -> None:
+    if Path(out_dir).name in ("", ".."):  # ".", "..", "/": replaced, a shell would sit in a deleted directory
+        raise UserError(f"{out_dir}: name a directory of its own to write (such as ./out), not the current "
+                        "directory or one above it")
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir}: exists and is not a directory; choose another output path")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:

@@ -116,6 +116,19 @@ def test_fuse_refuses_bad_output_paths(llama_dir, runs_root, tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     assert fuse_main(["--adapter", str(run), "--out", str(run / "fused"), "--overwrite"]) == 2
     assert "inside" in capsys.readouterr().err
+    # --adapter naming the weights file: the check compared with the file, so a directory in
+    # the run (a checkpoint) was replaced under --overwrite.
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    (copy / "checkpoint-5").mkdir()
+    (copy / "checkpoint-5" / "optimizer.safetensors").write_text("precious")
+    assert fuse_main(["--adapter", str(copy / "adapters.safetensors"), "--out", str(copy / "checkpoint-5"),
+                      "--overwrite"]) == 2
+    assert "is inside the adapter directory" in capsys.readouterr().err
+    assert (copy / "checkpoint-5" / "optimizer.safetensors").read_text() == "precious"
+    for here in (".", "..", str(tmp_path / "new") + "/.."):  # a ValueError traceback, after the model had loaded
+        assert fuse_main(["--adapter", str(run), "--out", here]) == 2
+        assert "name a directory of its own to write" in capsys.readouterr().err
     # An output containing the adapter, reached through a symlink: --overwrite would delete it.
     anc = tmp_path / "anc"
     shutil.copytree(run, anc / "run1")

@@ -420,11 +420,6 @@ def bad_inputs(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
     unsupported_type = tmp_path / "q5_0.gguf"
     unsupported_type.write_bytes(data)
     patch_tensor_type(unsupported_type, "blk.0.attn_q.weight", GGML_Q5_0)
-    bf16 = tmp_path / "bf16.gguf"  # MLX reads BF16 as float16: 1e5 would become inf
-    bits = (np.array([1.0, -2.0, 1e5, 0.5], np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    mx.save_gguf(str(bf16), {"token_embd.weight": mx.array(bits.view(np.int16).reshape(1, 4))},
-                 gguf_metadata())
-    patch_tensor_type(bf16, "token_embd.weight", GGML_BF16)
     other_arch = tmp_path / "qwen2.gguf"
     mx.save_gguf(str(other_arch), {"token_embd.weight": mx.zeros((4, 8))}, gguf_metadata("qwen2"))
     return {
@@ -433,9 +428,24 @@ def bad_inputs(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
         "header-cut": (header_cut, "not a readable GGUF"),
         "garbage": (garbage, "not a readable GGUF"),
         "unsupported-type": (unsupported_type, "Q5_0"),
-        "bf16-overflow": (bf16, "beyond float16's range"),
         "architecture": (other_arch, "architecture 'qwen2' is not supported"),
     }
+
+
+def test_bf16_tensors_are_read_exactly(tmp_path):
+    # MLX reads BF16 GGUF tensors as float16: 1e5 became inf and 2e-8 became 0, so the
+    # converted weights differed from the file's even with --dtype float32.
+    from mlxft.gguf import read_gguf
+
+    values = np.array([[1.0, -2.0, 1e5, 0.5], [3.0e-5, 1.1e-6, 2.0e-8, -7.25]], np.float32)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)  # BF16: float32's top half
+    path = tmp_path / "bf16.gguf"
+    mx.save_gguf(str(path), {"token_embd.weight": mx.array(bits.view(np.int16))}, gguf_metadata())
+    patch_tensor_type(path, "token_embd.weight", GGML_BF16)
+    tensor = read_gguf(path)[0]["token_embd.weight"]
+    assert tensor.dtype == mx.bfloat16
+    expected = (bits.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(np.array(tensor.astype(mx.float32)), expected)
 
 
 def test_bad_inputs_raise_user_error(float_gguf, tmp_path):
