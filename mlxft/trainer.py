@@ -248,6 +248,7 @@ class Trainer:
         self.skipped_steps = self.nonfinite_streak = 0
         self.best_val_loss: float | None = None
         self.last_val_loss: float | None = None
+        self.last_val_step: int | None = None  # the step of the last validation that ran to its end
         self.stop = StopRequests()
         # Marks this run's checkpoints, so pruning never deletes another run's (or a user's) directories.
         self.run_id = uuid.uuid4().hex
@@ -457,7 +458,9 @@ class Trainer:
                 if self.batch_index >= len(batches):
                     self.epoch, self.batch_index = self.epoch + 1, 0
             self._drain()
-            if self.valid_set is not None and not self._evaluates_after(self.step_count):
+            # Unless the last step's own validation ran: not where a stop cut it short, nor in a
+            # resumed run whose checkpoint was saved at the last step before it.
+            if self.valid_set is not None and self.last_val_step != self.step_count:
                 self._evaluate()
             stopped = self.world.any(self.stop.requested)  # agreed first: no rank waits in it while rank 0 saves
             path = self.save_checkpoint("final", run_files=True)
@@ -562,6 +565,13 @@ class Trainer:
                     # last closes the log's window whatever the cadence.
                     self._log_step(step, force=k == len(stopped) - 1)
                 self.pending = []
+                if self.world.size > 1 and self.window is not None:
+                    # The next window's first micro-batch was queued before this step was read,
+                    # and each rank holds its own share of it: the checkpoint holds their sum,
+                    # as a one-process run's would (on resume rank 0 alone restores it).
+                    self.window = self.world.all_sum(self.window)
+                    mx.eval(self.window)  # on every rank now: rank 0 alone evaluates it when it saves
+                    self.window_real_tokens = int(self.world.all_sum(mx.array(self.window_real_tokens)).item())
                 path = self.save_checkpoint("emergency")
                 floor = " at the loss scale's floor of 1" if self.scaler.enabled else ""
                 raise TrainingStopped(
@@ -722,7 +732,7 @@ class Trainer:
             self.model.train()
             self.reporter.info(f"{self.stop.name}: skipped the rest of the final validation to save the run")
             return
-        self.last_val_loss = loss
+        self.last_val_loss, self.last_val_step = loss, self.step_count
         if self.best_val_loss is None or loss < self.best_val_loss:
             self.best_val_loss = loss
         self.reporter.eval(self.step_count, loss, tokens)
@@ -766,6 +776,7 @@ class Trainer:
             "window_real_tokens": self.window_real_tokens,
             "nonfinite_streak": self.nonfinite_streak,
             "last_val_loss": self.last_val_loss,
+            "last_val_step": self.last_val_step,
             "loss_scaler": self.scaler.state(),
             "run_id": self.run_id,
             # model.dtype "auto" is float32 on a CPU and bfloat16 on a GPU: what it resolved to
@@ -822,6 +833,9 @@ class Trainer:
         self.window_real_tokens = state["window_real_tokens"] if self.world.rank == 0 else 0  # summed over ranks too
         self.skipped_steps, self.nonfinite_streak = state["skipped_steps"], state["nonfinite_streak"]
         self.best_val_loss, self.last_val_loss = state["best_val_loss"], state["last_val_loss"]
+        # Checkpoints from before it was recorded: a validation at the cadence is taken as run.
+        cadence = state["step"] if self._evaluates_after(state["step"]) else None
+        self.last_val_step = state.get("last_val_step", cadence)
         self.scaler.load(state["loss_scaler"])
         self.run_id = state.get("run_id") or self.run_id  # older checkpoints have none: theirs are never pruned
 

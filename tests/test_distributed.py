@@ -164,6 +164,39 @@ def test_a_one_process_checkpoint_inside_a_window_resumes_on_two_ranks(llama_dir
     assert resumed["tokens_per_sec"] * resumed["seconds"] == pytest.approx(first["tokens_per_sec"] * first["seconds"])
 
 
+POISONED = ("import sys\nimport mlx.core as mx\nfrom mlxft import trainer\nfrom mlxft.train import main\n"
+            "account = trainer.Trainer._account\n"
+            "def poisoned(self, done):\n"
+            "    if done.step == 2:  # read as an overflow would be\n"
+            "        done.result.applied = mx.array(False)\n"
+            "    return account(self, done)\n"
+            "trainer.Trainer._account = poisoned\nsys.exit(main(sys.argv[1:]))\n")
+
+
+def test_a_non_finite_stop_on_two_ranks_saves_the_whole_open_window(llama_dir, uneven_data, tmp_path):
+    # The stop is read once the next window's first micro-batch is queued; rank 0 saved only its
+    # own share of it, so the other rank's rows of that micro-batch were lost on resume.
+    base = ["--epochs", 4, "--grad-accum-steps", 2, "--max-nonfinite-steps", 1, "--seed", 3]
+    one, two = tmp_path / "one", tmp_path / "two"
+    stopped = subprocess.run([sys.executable, "-c", POISONED, *map(str, train_args(llama_dir, uneven_data, one, *base,
+                                                                              "--backend", "none")[2:])],
+                             capture_output=True, text=True, timeout=240)
+    assert stopped.returncode == 1 and "not finite" in stopped.stderr, stopped.stderr[-800:]
+    results = launch(tmp_path, ["-c", POISONED, *train_args(llama_dir, uneven_data, two, *base)[2:]])
+    assert [r[0] for r in results] == [1, 1], [r[2][-800:] for r in results]
+    states = [json.loads((run / "checkpoint-2-emergency" / "trainer_state.json").read_text()) for run in (one, two)]
+    assert states[0]["batch_index"] % 2 == 1 and states[0]["window_real_tokens"] == states[1]["window_real_tokens"]
+    for run in (one, two):
+        resumed = subprocess.run([sys.executable, *map(str, train_args(llama_dir, uneven_data, run, *base, "--backend",
+                                                                       "none", "--resume", "latest"))],
+                                 capture_output=True, text=True, timeout=240)
+        assert resumed.returncode == 0, resumed.stderr[-800:]
+    expected, got = adapters(one), adapters(two)
+    for name in expected:
+        rel = np.linalg.norm(got[name] - expected[name]) / np.linalg.norm(expected[name])
+        assert rel < 1e-4, (name, rel)
+
+
 def test_missing_peer_fails_within_the_timeout(llama_dir, uneven_data, tmp_path):
     tic = time.monotonic()
     results = launch(tmp_path, train_args(llama_dir, uneven_data, tmp_path / "run", "--dist-timeout", 4), start=[0],

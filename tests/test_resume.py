@@ -440,7 +440,9 @@ def test_a_signal_during_the_final_validation_still_saves_the_run(llama_dir, tmp
     write_jsonl(data / "train.jsonl", CHAT_ROWS[:4])
     write_jsonl(data / "valid.jsonl", CHAT_ROWS[:6])  # three validation batches
     out = tmp_path / "run"
-    trainer = Trainer(config(llama_dir, data, out, max_steps=2, save_every=0, grad_accum_steps=1, memory_estimate=False))
+    # eval_every=2: the last step's validation is the one at the cadence, which a resume skipped.
+    trainer = Trainer(config(llama_dir, data, out, max_steps=2, save_every=0, grad_accum_steps=1, memory_estimate=False,
+                             eval_every=2))
     original, final_batches = trainer.batch, []
 
     def batch(dataset, indices):
@@ -459,6 +461,14 @@ def test_a_signal_during_the_final_validation_still_saves_the_run(llama_dir, tmp
     assert len(final_batches) == 2  # the rest of the validation was skipped
     assert json.loads((out / "final" / "trainer_state.json").read_text())["step"] == 2
     assert json.loads((out / "training_state.json").read_text())["step"] == 2
+    # Resumed, it trains nothing, but validates: it used to skip the step's validation as run,
+    # and report the previous one's loss as the final.
+    resumed = Trainer(config(llama_dir, data, out, max_steps=2, save_every=0, grad_accum_steps=1,
+                             memory_estimate=False, eval_every=2, resume="latest"))
+    result = resumed.train()
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if r["type"] == "eval"]
+    assert evals[-1]["step"] == 2 and result.val_loss == evals[-1]["val_loss"] == pytest.approx(resumed.evaluate()[0])
 
 
 @pytest.mark.parametrize("accum, save_every, limit, saved_at", [
