@@ -27,7 +27,8 @@ class Reporter:
         self.stream_lost = False
         self._window_start = time.perf_counter()
         self._loss_sum = 0.0
-        self._tokens = 0
+        self._loss_tokens = 0  # the loss's denominator; may hold steps from before a resume
+        self._tokens = 0  # throughput's, since the window's clock started
         self._real_tokens = 0
         self.unlogged_steps = 0  # accounted since the last training record
         self.last_train_loss: float | None = None
@@ -61,11 +62,12 @@ class Reporter:
     def step(self, step: int, loss_sum: float, tokens: int, real_tokens: int) -> None:
         """Account one optimizer step; on a terminal, redraw the status line."""
         self._loss_sum += loss_sum
+        self._loss_tokens += tokens
         self._tokens += tokens
         self._real_tokens += real_tokens
         self.unlogged_steps += 1
         if self.live and self.enabled:
-            loss = self._loss_sum / max(self._tokens, 1)
+            loss = self._loss_sum / max(self._loss_tokens, 1)
             self._write(f"\r\033[K[{step}/{self.total_steps}] {self._bar(step)} loss {loss:.4f}")
 
     def _bar(self, step: int, width: int = 24) -> str:
@@ -78,7 +80,7 @@ class Reporter:
         that is earlier than now: the moment the next step began to be queued."""
         end = ended_at or time.perf_counter()
         elapsed = max(end - self._window_start, 1e-9)
-        loss = self._loss_sum / max(self._tokens, 1)
+        loss = self._loss_sum / max(self._loss_tokens, 1)
         record = {
             "type": "train",
             "step": step,
@@ -99,7 +101,7 @@ class Reporter:
         )
         self._record(record)
         self.last_train_loss = loss
-        self._loss_sum, self._tokens, self._real_tokens, self.unlogged_steps = 0.0, 0, 0, 0
+        self._loss_sum, self._loss_tokens, self._tokens, self._real_tokens, self.unlogged_steps = 0.0, 0, 0, 0, 0
         self._window_start = end
         return record
 
@@ -122,6 +124,16 @@ class Reporter:
         self._print(f"exact-match {when}: {score:.1%} of {rows} {kind} rows (generation peak {peak_memory_gb:.2f} GB)")
         self._record(record)
         return record
+
+    def unlogged(self) -> dict:
+        """The loss of the steps since the last training record, for a checkpoint: a run resumed
+        from it logs them in its first record, as an uninterrupted run would."""
+        return {"loss_sum": self._loss_sum, "tokens": self._loss_tokens, "steps": self.unlogged_steps}
+
+    def restore_unlogged(self, saved: dict | None) -> None:
+        """Take :meth:`unlogged` back (throughput restarts: it times this process's steps only)."""
+        if saved:
+            self._loss_sum, self._loss_tokens, self.unlogged_steps = saved["loss_sum"], saved["tokens"], saved["steps"]
 
     def _record(self, record: dict) -> None:
         if self.enabled:

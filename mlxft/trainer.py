@@ -283,6 +283,8 @@ class Trainer:
                 checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
         self.reporter.on_stream_lost = self._output_lost
+        if saved is not None:
+            self.reporter.restore_unlogged(saved["state"].get("unlogged"))
         # The run's limits hold while it estimates and trains, and no longer (see memory.Limits).
         with self._run_limits():
             self._describe()
@@ -777,6 +779,7 @@ class Trainer:
             "nonfinite_streak": self.nonfinite_streak,
             "last_val_loss": self.last_val_loss,
             "last_val_step": self.last_val_step,
+            "unlogged": self.reporter.unlogged(),
             "loss_scaler": self.scaler.state(),
             "run_id": self.run_id,
             # model.dtype "auto" is float32 on a CPU and bfloat16 on a GPU: what it resolved to

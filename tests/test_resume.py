@@ -796,6 +796,20 @@ def test_a_run_from_a_starting_adapter_resumes_from_anywhere_once_the_adapter_is
     assert again.returncode == 0, again.stderr
 
 
+def test_steps_not_yet_logged_at_a_checkpoint_are_logged_by_the_resumed_run(llama_dir, uninterrupted, tmp_path):
+    # The reporter's running window was not saved: resumed from checkpoint-2 with --log-every 3,
+    # the step-3 record held step 3's loss alone and steps 1-2 appeared in no record.
+    out = tmp_path / "run"
+    settings = dict(max_steps=3, save_every=1, log_every=3, grad_accum_steps=1)
+    Trainer(config(llama_dir, uninterrupted[0], out, **settings)).train()
+    train_records = lambda: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+                             if json.loads(line)["type"] == "train"]
+    (expected,) = train_records()
+    Trainer(config(llama_dir, uninterrupted[0], out, resume=str(out / "checkpoint-2"), **settings)).train()
+    (got,) = train_records()
+    assert got["step"] == 3 and got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+
+
 def test_a_resumed_run_keeps_its_exact_match_baseline_from_step_0(llama_dir, tmp_path):
     data = tmp_path / "data"
     write_jsonl(data / "train.jsonl", CHAT_ROWS)
