@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxft import models
+from mlxft.errors import UserError
 from mlxft.lora import plain_lora
 
 _LOG2E = 1.4426950408889634
@@ -394,6 +395,15 @@ def recompute_mlps(model: nn.Module, first: int = 0) -> bool:
     return switched
 
 
+def check_recompute_mlp(model: nn.Module, recompute_mlp: bool) -> None:
+    """Refuse --recompute-mlp for a family whose MLPs it cannot reach: the run would say it
+    recomputes them and keep everything."""
+    family = models.family(model)
+    if recompute_mlp and (family, True) not in _MLP_CALLS:
+        raise UserError(f"config field model.recompute_mlp: not supported for {family} models (only "
+                        f"{', '.join(models.LAYER_PARTS)}); drop --recompute-mlp, or use --grad-checkpoint")
+
+
 def enable(model: nn.Module, recompute_mlp: bool = False, first: int = 0) -> bool:
     """Give a supported family's MLPs :func:`swiglu` (same weights, same function) and its
     attention the written-out softmax; returns whether it applied. The MLPs change per
@@ -402,6 +412,7 @@ def enable(model: nn.Module, recompute_mlp: bool = False, first: int = 0) -> boo
     family's mlx-lm module, so it is replaced there for the process, by one that takes
     :func:`attention` only for float32 training shapes on the CPU and mlx-lm's own path
     otherwise. Other families keep mlx-lm's code."""
+    check_recompute_mlp(model, recompute_mlp)
     family = models.family(model)
     if (family, False) not in _MLP_CALLS:
         return False

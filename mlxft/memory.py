@@ -246,7 +246,8 @@ def _layer_call(layer, layout):
 
 def _layer_peak(layer: nn.Module, layout, x: mx.array) -> int:
     """The peak of a forward and backward pass (gradients of the trainable parameters) through
-    ``layer``, as the trainer's step runs it."""
+    ``layer``, as the trainer's step runs it; through a layer with none (an LFM2 convolution
+    under attention-only --targets), the gradient of its input, which carries the others'."""
     saved = layer.trainable_parameters()
     call = _layer_call(layer, layout)
 
@@ -254,8 +255,9 @@ def _layer_peak(layer: nn.Module, layout, x: mx.array) -> int:
         layer.update(params)
         return call(h).astype(mx.float32).sum()
 
+    argnums = 0 if tree_flatten(saved) else 1
     try:
-        return _probe(mx.value_and_grad(forward), saved, x)
+        return _probe(mx.value_and_grad(forward, argnums=argnums), saved, x)
     finally:  # the traced update leaves the graph's arrays in the layer
         layer.update(saved)
 
@@ -318,9 +320,13 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
     # Layers that run alike: the same kind, checkpointed or not, MLP recomputed or not, trained or not.
     kinds: dict[tuple, list] = {}
     model_family = family(model)
-    for layer in layers:
+    # The backward pass runs through every layer from the first trained one on, trained or not:
+    # --targets may leave some kinds of layer untrained (LFM2's convolutions under attention-only
+    # targets), and those that follow a trained layer keep their activations all the same.
+    first = next((i for i, layer in enumerate(layers) if tree_flatten(layer.trainable_parameters())), len(layers))
+    for i, layer in enumerate(layers):
         kind = "attention" if is_attention_layer(layer) else type(layer).__name__
-        trained = bool(tree_flatten(layer.trainable_parameters()))
+        trained = i >= first
         kinds.setdefault((kind, is_checkpointed(layer), fastmath.recomputes_mlp(layer, model_family), trained),
                          []).append(layer)
     activations, transient, mlp_transient = 0, 0, 0
@@ -328,8 +334,8 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
     mlp_savings = {}  # id(layer) -> what recomputing its MLP's gate and up would save
     for (_, checkpointed, _, trained), members in kinds.items():
         if not trained:
-            # --num-layers N trains the last N: the layers before them lie on no path from a
-            # trainable parameter to the loss, so the backward pass skips them and their
+            # Before the first trained layer (--num-layers N trains the last N): on no path from
+            # a trainable parameter to the loss, so the backward pass skips them and their
             # activations are freed as the forward pass goes; only its own peak counts.
             untrained = _probe(_layer_call(members[0], layout), x)
             transient, mlp_transient = max(transient, untrained), max(mlp_transient, untrained)
@@ -476,11 +482,12 @@ def _smaller_batch_hint(batch_size: int, accum: int, ranks: int) -> str | None:
 
 
 def advice(config, estimate: Estimate | None = None, limit: float | None = None, ranks: int = 1,
-           quantized: bool = False) -> str:
+           quantized: bool = False, longest: int | None = None) -> str:
     """The settings that bring a run's memory down, most effective first. Given the run's
     ``estimate`` and the ``limit`` it passed, recomputation is advised for as few layers as fit
     (the rest keep their activations and their speed), and ``--recompute-mlp`` for as few
-    layers' MLPs as fit, first when checkpointing would take more than half of the layers."""
+    layers' MLPs as fit, first when checkpointing would take more than half of the layers.
+    ``longest``: the training set's longest row, which a shorter --max-seq-length must cut."""
     hints = []
     recompute = _recompute_hint(config, estimate, limit)
     if recompute:
@@ -493,8 +500,9 @@ def advice(config, estimate: Estimate | None = None, limit: float | None = None,
     smaller_batch = _smaller_batch_hint(config.train.batch_size, config.train.grad_accum_steps, ranks)
     if smaller_batch:
         hints.append(smaller_batch)
-    if config.data.max_seq_length // 2 >= 2:
-        hints.append(f"--max-seq-length {config.data.max_seq_length // 2}")
+    length = min(config.data.max_seq_length, longest or config.data.max_seq_length)  # halving more cuts nothing
+    if length // 2 >= 2:
+        hints.append(f"--max-seq-length {length // 2}")
     if not config.model.loss_chunk and config.adapter.finetune == "full":  # adapters' heads chunk anyway
         hints.append("--loss-chunk 1024")
     if config.train.clear_cache_above != 0:

@@ -219,6 +219,7 @@ class Trainer:
         # The model changes only once the data (and the checkpoint resumed) have passed their
         # checks: a refused run leaves a model the caller passed in as it was.
         _check_unadapted(model)
+        fastmath.check_recompute_mlp(model, config.model.recompute_mlp)
         model.freeze()  # mlx_lm.load's is not: unfrozen, "LoRA" would train every weight
         # Resuming, the checkpoint's weights replace the starting adapter's (its layout is checked).
         if config.adapter.init_adapter and saved is None:
@@ -646,7 +647,7 @@ class Trainer:
 
     def _advice(self, limit: float) -> str:
         return memory.advice(self.config, self.estimate, limit, ranks=self.world.size,
-                             quantized=models.is_quantized(self.model))
+                             quantized=models.is_quantized(self.model), longest=int(max(self.train_set.lengths)))
 
     def _check_memory_limit(self) -> None:
         peak, limit = mx.get_peak_memory(), self.memory_limit

@@ -60,7 +60,7 @@ def trainer(model_dir, tmp_path, batch_size=8, longest=256, rows_file=None, **tr
                   "fit_memory": train.pop("fit_memory", False),
                   "loss_chunk": train.pop("loss_chunk", 0)},
         "data": {"data": "in-memory", "length_bucket": 32, "pack": train.pop("pack", False)},
-        "adapter": {"rank": 8, "num_layers": train.pop("num_layers", -1)},
+        "adapter": {"rank": 8, "num_layers": train.pop("num_layers", -1), "targets": train.pop("targets", ["default"])},
         "train": {"output_dir": str(tmp_path / "run"), "batch_size": batch_size, "max_steps": 3, "log_every": 1, **train},
     })
     rows = random_rows(3 * batch_size, longest)
@@ -108,6 +108,18 @@ def test_checkpointing_lowers_the_estimated_activations(wider_model, tmp_path):
     partial.train()
     measured = measured_peak(partial)
     assert 0.75 <= partial.estimate.total / measured <= 1.25, (partial.estimate.describe(), measured / memory.GB)
+
+
+def test_untrained_layers_after_a_trained_one_keep_their_activations(tmp_path_factory, tmp_path):
+    # LFM2 under attention-only --targets: its convolutions hold no adapters, but those after the
+    # first attention layer lie on the backward path and keep their activations all the same.
+    # The estimate took them for forward-only, and came to 0.58x the measured peak.
+    model_dir = write_model(tmp_path_factory.mktemp("lfm2-attention-first"),
+                            {**LFM2_CONFIG, **SIZES, "num_hidden_layers": 12, "layer_types": ["full_attention"] + ["conv"] * 11})
+    run = trainer(model_dir, tmp_path, targets=["self_attn.q_proj", "self_attn.v_proj"], pace_memory=False, loss_chunk=64)
+    run.train()
+    measured = measured_peak(run)
+    assert 0.75 <= run.estimate.total / measured <= 1.25, (run.estimate.describe(), measured / memory.GB)
 
 
 # Where a limit lies between two layer counts, the loss's peak must not move from probe to probe
@@ -228,20 +240,22 @@ def test_the_estimate_prices_recomputing_the_mlps(wider_model, tmp_path):
     assert 0.75 <= priced / measured_peak(configured) <= 1.25
 
 
-@pytest.mark.parametrize("settings, ranks, quantized, has, lacks", [
+@pytest.mark.parametrize("settings, ranks, quantized, has, lacks, longest", [
     # Each hint is one validation takes and that changes the run.
-    ({"train": {"batch_size": 2}}, 2, False, [], ["--batch-size"]),  # 1 row cannot be split over 2 ranks
-    ({"train": {"batch_size": 8}}, 2, False, ["--batch-size 4 with --grad-accum-steps 2"], []),
-    ({"train": {"batch_size": 1}}, 1, False, [], ["--batch-size"]),  # already one row
-    ({"train": {"batch_size": 3}}, 1, False, ["--batch-size 1 with --grad-accum-steps 3 (same"], []),
-    ({"data": {"max_seq_length": 3}}, 1, False, [], ["--max-seq-length"]),  # 1 is refused
-    ({"adapter": {"finetune": "full", "targets": ["layers"]}}, 1, False, ["--finetune lora --targets default"], []),
-    ({}, 1, True, [], ["--quantize"]),  # the model on disk is quantized already
-    ({}, 1, False, ["--quantize 4", "--max-seq-length 1024"], []),
+    ({"train": {"batch_size": 2}}, 2, False, [], ["--batch-size"], None),  # 1 row cannot be split over 2 ranks
+    ({"train": {"batch_size": 8}}, 2, False, ["--batch-size 4 with --grad-accum-steps 2"], [], None),
+    ({"train": {"batch_size": 1}}, 1, False, [], ["--batch-size"], None),  # already one row
+    ({"train": {"batch_size": 3}}, 1, False, ["--batch-size 1 with --grad-accum-steps 3 (same"], [], None),
+    ({"data": {"max_seq_length": 3}}, 1, False, [], ["--max-seq-length"], None),  # 1 is refused
+    ({"adapter": {"finetune": "full", "targets": ["layers"]}}, 1, False, ["--finetune lora --targets default"], [],
+     None),
+    ({}, 1, True, [], ["--quantize"], None),  # the model on disk is quantized already
+    ({}, 1, False, ["--quantize 4", "--max-seq-length 1024"], [], None),
+    ({}, 1, False, ["--max-seq-length 20,"], ["--max-seq-length 1024"], 40),  # halving 2048 cut no row of 40
 ])
-def test_advice_names_only_settings_that_are_taken_and_change_the_run(settings, ranks, quantized, has, lacks):
+def test_advice_names_only_settings_that_are_taken_and_change_the_run(settings, ranks, quantized, has, lacks, longest):
     config = RunConfig.from_dict({**settings, "model": {"model": "m"}, "data": {"data": "d", **settings.get("data", {})}})
-    text = memory.advice(config, ranks=ranks, quantized=quantized)
+    text = memory.advice(config, ranks=ranks, quantized=quantized, longest=longest)
     assert all(h in text for h in has) and not any(x in text for x in lacks), text
 
 

@@ -103,3 +103,20 @@ def test_recompute_mlp_layers_needs_recompute_mlp_and_no_more_than_the_model_has
     model = _model(llama_dir, False, False)
     with pytest.raises(UserError, match="model.recompute_mlp_layers: 99 exceeds the model's"):
         fastmath.enable(model, True, 99)
+
+
+def test_a_family_it_cannot_reach_is_refused_before_the_model_changes(llama_dir, tmp_path):
+    # A qwen2 (or mistral) model trained with --recompute-mlp as without, while config.yaml said
+    # it recomputed: the flag was dropped silently, where --checkpoint-keep-mlp is refused.
+    from mlx_lm import load
+    from mlx_lm.tuner.lora import LoRALinear
+
+    model, tokenizer = load(str(llama_dir))
+    model.model_type = "qwen2"
+    rows = [Example(np.arange(3, 19, dtype=np.int32), np.arange(16) >= 8) for _ in range(4)]
+    config = RunConfig.from_dict({"model": {"recompute_mlp": True},
+                                  "train": {"output_dir": str(tmp_path / "run"), "batch_size": 2, "max_steps": 1,
+                                            "exact_match_rows": 0}})
+    with pytest.raises(UserError, match="model.recompute_mlp: not supported for qwen2 models"):
+        Trainer(config, model, tokenizer, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+    assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())
