@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -28,15 +29,17 @@ DEFAULT_JOB = Path(__file__).with_name("default_job.yaml")
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # Before the distributed world exists, mlx.launch's rank variable tells: only rank 0 prints.
+    say = print if os.environ.get("MLX_RANK", "0") in ("", "0") else (lambda *a, **k: None)
     config_path = args.config
     given = ("model.model", "data.data", "data.train_file", "data.valid_file")
     if not config_path and not any(hasattr(args, name) for name in given):
         if hasattr(args, "train.resume"):  # continue the run with its own settings, not the default job's
             config_path = _checkpoint_config(args)
-            print(f"no --model/--data/--config given: resuming with the checkpoint's settings ({config_path})")
+            say(f"no --model/--data/--config given: resuming with the checkpoint's settings ({config_path})")
         else:
             config_path = DEFAULT_JOB  # no model, data or config given: the built-in default job
-            print(f"no --model/--data/--config given: running the default job ({DEFAULT_JOB.name})")
+            say(f"no --model/--data/--config given: running the default job ({DEFAULT_JOB.name})")
     config = cfg.resolve(args, config_path)
     if config_path == DEFAULT_JOB and not hasattr(args, "train.overwrite"):
         # The job's `overwrite: true` lets it re-run into its own runs/default; a directory the
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = fine_tune(config)
     except TrainingStopped as stop:
-        print_error(f"error: {stop}" if stop.exit_code == 1 else str(stop))
+        if say is print:  # every rank stopped at the same point; rank 0 says so for all
+            print_error(f"error: {stop}" if stop.exit_code == 1 else str(stop))
         return stop.exit_code
     except PeerLost as lost:
         print_error(f"error: {lost}")

@@ -120,6 +120,7 @@ def test_interrupted_distributed_run_resumes_exactly(llama_dir, uneven_data, tmp
 
     results = launch(tmp_path, train_args(llama_dir, uneven_data, part, *base), on_line=interrupt_rank_1)
     assert [r[0] for r in results] == [128 + signal.SIGTERM] * 2, [r[2][-500:] for r in results]
+    assert "stopped by SIGTERM" in results[0][2] and "stopped by" not in results[1][2]  # rank 0 says it for both
     assert (part / "latest").resolve().name.endswith("-emergency")
     results = launch(tmp_path, train_args(llama_dir, uneven_data, part, *base, "--resume", "latest"))
     assert [r[0] for r in results] == [0, 0], [r[2][-500:] for r in results]
