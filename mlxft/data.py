@@ -445,6 +445,17 @@ def encode_chat(tokenizer, messages: list, completion_only: bool, where: str,
     return ids, mask
 
 
+PROMPT_FORMATS = ("auto", "chat", "raw")  # DataConfig.prompt_format's choices
+
+
+def renders_chat(tokenizer, prompt_format: str) -> bool:
+    """Whether a prompt (and its completion) is rendered with the tokenizer's chat template;
+    any other format than these three is an error, not raw text."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise UserError(f"prompt_format {prompt_format!r} is not one of {', '.join(PROMPT_FORMATS)}")
+    return prompt_format == "chat" or (prompt_format == "auto" and bool(getattr(tokenizer, "chat_template", None)))
+
+
 def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, where: str) -> tuple[str, list[int], list[bool]]:
     kind = check_row(row, where)
     if kind == "text":
@@ -453,8 +464,7 @@ def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, 
     if kind == "chat":
         return (kind, *encode_chat(tokenizer, row["messages"], completion_only, where, row.get("tools")))
     prompt, completion = row["prompt"], row["completion"]
-    use_chat = prompt_format == "chat" or (prompt_format == "auto" and getattr(tokenizer, "chat_template", None))
-    if use_chat:
+    if renders_chat(tokenizer, prompt_format):
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         return (kind, *encode_chat(tokenizer, messages, completion_only, where))
     head = _encode(tokenizer, prompt, special=True)

@@ -92,6 +92,7 @@ def evaluate(model, tokenizer, path, *, batch_size: int = TrainConfig.batch_size
     from mlxft.loss import evaluation_loss
 
     check_counts(batch_size, max_seq_length, max_batches, loss_chunk)
+    data.renders_chat(tokenizer, prompt_format)  # a format none of the three is an error, whatever the rows
     path = Path(path)
     dataset = data.load_dataset(path, tokenizer, max_seq_length, completion_only, prompt_format)
     was_training = model.training  # a research script's training loop keeps its dropout

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from mlxft.data import read_jsonl, without_reasoning
+from mlxft.data import read_jsonl, renders_chat, without_reasoning
 from mlxft.errors import UserError, first_line
 
 
@@ -39,8 +39,7 @@ class QAPair(NamedTuple):
 
 
 def prompt_ids(tokenizer, messages: list[dict], prompt_format: str = "auto", tools: list | None = None) -> list[int]:
-    use_chat = prompt_format == "chat" or (prompt_format == "auto" and getattr(tokenizer, "chat_template", None))
-    if use_chat:
+    if renders_chat(tokenizer, prompt_format):
         if not getattr(tokenizer, "chat_template", None):  # as training checks (data.encode_chat)
             raise UserError("--prompt-format chat needs a tokenizer with a chat template; this model's tokenizer "
                             "has none; use --prompt-format raw")
@@ -95,6 +94,7 @@ def exact_match(model, tokenizer, pairs, prompt_format: str = "auto", max_tokens
     against 31 s one prompt at a time, the same 24 answers)."""
     from mlx_lm.generate import batch_generate
 
+    renders_chat(tokenizer, prompt_format)  # a format none of the three is an error, whatever the rows
     if not pairs:
         return 0.0, []
     prompts = [prompt_ids(tokenizer, pair.messages, "chat" if pair.chat else prompt_format, pair.tools) for pair in pairs]

@@ -248,6 +248,12 @@ def first_layers(model: nn.Module, count: int, field: str) -> list:
     return layers[:count or len(layers)]
 
 
+def check_keep_mlp(model: nn.Module, keep_mlp: bool) -> None:
+    if keep_mlp and family(model) not in LAYER_PARTS:
+        raise UserError(f"config field model.checkpoint_keep_mlp: not supported for {family(model)} models "
+                        f"(only {', '.join(LAYER_PARTS)}); drop --checkpoint-keep-mlp")
+
+
 def checkpoint_layers(model: nn.Module, count: int = 0, keep_mlp: bool = False) -> None:
     """Recompute the first ``count`` transformer layers' activations (0: every layer's) in the
     backward pass, for less memory: each one's ``__call__`` runs under ``mx.checkpoint`` (see
@@ -257,9 +263,7 @@ def checkpoint_layers(model: nn.Module, count: int = 0, keep_mlp: bool = False) 
     from mlxft.fastmath import swiglu
 
     recomputed = first_layers(model, count, "model.checkpoint_layers")
-    if keep_mlp and family(model) not in LAYER_PARTS:
-        raise UserError(f"config field model.checkpoint_keep_mlp: not supported for {family(model)} models "
-                        f"(only {', '.join(LAYER_PARTS)}); drop --checkpoint-keep-mlp")
+    check_keep_mlp(model, keep_mlp)
     for layer in recomputed:
         plain_call, keyed = type(layer).__call__, _key_dropouts(layer)
 

@@ -100,6 +100,36 @@ def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | Non
                             "or assistant turns")
 
 
+def _check_arguments(config, model, tokenizer, datasets) -> None:
+    """A research script's mistakes in calling :class:`Trainer`, as one line each."""
+    if not isinstance(config, RunConfig):
+        raise UserError(f"Trainer and fine_tune take a RunConfig, not {type(config).__name__}; build one with "
+                        "RunConfig.from_dict({...})")
+    if tokenizer is not None and model is None:  # it would be replaced by the loaded model's
+        raise UserError("a tokenizer was passed without its model; pass model= as well, or neither")
+    if model is not None and tokenizer is None and datasets is None:
+        raise UserError("reading the data files needs the model's tokenizer: pass tokenizer= with model=, "
+                        "or datasets= already tokenized")
+    given = isinstance(datasets, tuple) and len(datasets) == 2 and isinstance(datasets[0], data.Dataset) \
+        and (datasets[1] is None or isinstance(datasets[1], data.Dataset))
+    if datasets is not None and not given:
+        raise UserError("datasets= takes a pair (train, valid or None) of mlxft.data.Dataset objects")
+
+
+def _check_model_settings(model, config: RunConfig) -> None:
+    """What the model's family or depth refuses of the config, before the model changes (a
+    refused run leaves a model the caller passed in as it was)."""
+    m = config.model
+    fastmath.check_recompute_mlp(model, m.recompute_mlp)
+    if m.recompute_mlp:
+        models.first_layers(model, m.recompute_mlp_layers, "model.recompute_mlp_layers")
+    if m.grad_checkpoint:
+        models.first_layers(model, m.checkpoint_layers, "model.checkpoint_layers")
+        models.check_keep_mlp(model, m.checkpoint_keep_mlp)
+    if config.data.pack:
+        packing.check_supported(model)
+
+
 def _check_unadapted(model) -> None:
     """Refuse a model that holds adapters already: new ones would wrap them (LoRA inside LoRA),
     a layout neither mlxft nor mlx-lm loads."""
@@ -133,6 +163,7 @@ class Trainer:
 
     def __init__(self, config: RunConfig, model=None, tokenizer=None, reporter: Reporter | None = None,
                  world: distributed.World | None = None, datasets: tuple | None = None):
+        _check_arguments(config, model, tokenizer, datasets)
         validate(config, model_given=model is not None, data_given=datasets is not None)
         self.config = config
         t = config.train
@@ -219,7 +250,7 @@ class Trainer:
         # The model changes only once the data (and the checkpoint resumed) have passed their
         # checks: a refused run leaves a model the caller passed in as it was.
         _check_unadapted(model)
-        fastmath.check_recompute_mlp(model, config.model.recompute_mlp)
+        _check_model_settings(model, config)
         model.freeze()  # mlx_lm.load's is not: unfrozen, "LoRA" would train every weight
         # Resuming, the checkpoint's weights replace the starting adapter's (its layout is checked).
         if config.adapter.init_adapter and saved is None:

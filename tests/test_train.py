@@ -445,3 +445,41 @@ def test_a_model_passed_in_is_frozen_left_as_found_and_never_adapted_twice(llama
     for dataset in (nothing, []):
         with pytest.raises(UserError, match="the train dataset has no row with a supervised token"):
             Trainer(cfg, fresh, tokenizer, datasets=(Dataset(Path("rows"), dataset, "completion"), None))
+
+
+def test_api_mistakes_are_one_line_errors_and_leave_the_model_as_it_was(llama_dir, chat_data, tmp_path):
+    # A count past the model's layers, --pack or keep-MLP on another family were refused after
+    # LoRA went on, so the corrected call was refused for holding adapters; the rest were
+    # tracebacks (AttributeError, IndexError) or a tokenizer silently replaced.
+    from pathlib import Path
+
+    from mlx_lm import load
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from mlxft.data import Dataset, Example
+    from mlxft.evaluate import evaluate
+
+    model, tokenizer = load(str(llama_dir))
+    rows = Dataset(Path("rows"), [Example(np.arange(3, 19, dtype=np.int32), np.arange(16) >= 8)] * 4, "completion")
+
+    def cfg(**model_settings):
+        return RunConfig.from_dict({"model": model_settings, "data": {"data": str(chat_data)},
+                                    "train": {"output_dir": str(tmp_path / "run"), "batch_size": 2, "max_steps": 1,
+                                              "exact_match_rows": 0}})
+
+    for settings, message in (({"grad_checkpoint": True, "checkpoint_layers": 5}, "checkpoint_layers: 5 exceeds"),
+                              ({"recompute_mlp": True, "recompute_mlp_layers": 5}, "recompute_mlp_layers: 5 exceeds")):
+        with pytest.raises(UserError, match=message):
+            Trainer(cfg(**settings), model, tokenizer, datasets=(rows, None))
+        assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())
+    for args, kwargs, message in (
+            (({"model": {}},), {}, "take a RunConfig, not dict; build one with RunConfig.from_dict"),
+            ((cfg(),), {"tokenizer": tokenizer}, "a tokenizer was passed without its model"),
+            ((cfg(), model), {}, "reading the data files needs the model's tokenizer"),
+            ((cfg(), model, tokenizer), {"datasets": rows}, "datasets= takes a pair"),
+            ((cfg(), model, tokenizer), {"datasets": (rows,)}, "datasets= takes a pair")):
+        with pytest.raises(UserError, match=message):
+            Trainer(*args, **kwargs)
+    with pytest.raises(UserError, match="prompt_format 'chatt' is not one of auto, chat, raw"):
+        evaluate(model, tokenizer, chat_data / "valid.jsonl", prompt_format="chatt")
+    Trainer(cfg(), model, tokenizer, datasets=(rows, None)).train()  # the model as it came still trains
