@@ -418,6 +418,19 @@ MAX_COUNT = 2**31 - 1
 MAX_SEED = 2**64 - 1  # MLX's seed is an unsigned 64-bit integer
 
 
+def _as_assigned(value: Any, f: dataclasses.Field) -> Any:
+    """What a script may assign to a field and has always been able to: a tuple for a list,
+    None for an unset string, a whole float for an integer (from_dict's files are stricter)."""
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if isinstance(value, tuple) and isinstance(default, list):
+        return list(value)
+    if value is None and isinstance(default, str):
+        return ""
+    if isinstance(value, float) and type(default) is int and value.is_integer():
+        return int(value)
+    return value
+
+
 def validate(config: RunConfig, model_given: bool = False, data_given: bool = False) -> None:
     """Reject values no run can use, naming the field and what to do. ``model_given`` and
     ``data_given``: a script passes the model or the datasets in, so the config need not name them."""
@@ -429,7 +442,8 @@ def validate(config: RunConfig, model_given: bool = False, data_given: bool = Fa
     for section in SECTIONS:  # values a script assigned (a Path, a NumPy number) pass as from_dict's do
         target = getattr(config, section)
         for f in fields(target):
-            setattr(target, f.name, _coerce(getattr(target, f.name), f, f"config field {section}.{f.name}"))
+            setattr(target, f.name, _coerce(_as_assigned(getattr(target, f.name), f), f,
+                                            f"config field {section}.{f.name}"))
     a, d, o, t = config.adapter, config.data, config.optim, config.train
     for section in SECTIONS:  # inf and nan pass most range checks below, then break the run
         for name, value in vars(getattr(config, section)).items():

@@ -61,6 +61,8 @@ class StopRequests:
     def __enter__(self) -> "StopRequests":
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
+                if sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # started under nohup: the user asked for the run to outlive the terminal
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = fine_tune(config)
     except TrainingStopped as stop:
-        if say is print:  # every rank stopped at the same point; rank 0 says so for all
+        if say is print or not stop.joint:  # where every rank stopped together, rank 0 says so for all
             print_error(f"error: {stop}" if stop.exit_code == 1 else str(stop))
         return stop.exit_code
     except PeerLost as lost:

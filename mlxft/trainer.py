@@ -64,10 +64,11 @@ class _QueuedStep:
 class TrainingStopped(Exception):
     """The run stopped early: a signal or gradients that stay non-finite (after saving), or out of memory."""
 
-    def __init__(self, message: str, exit_code: int, checkpoint: Path | None):
+    def __init__(self, message: str, exit_code: int, checkpoint: Path | None, joint: bool = False):
         super().__init__(message)
         self.exit_code = exit_code
         self.checkpoint = checkpoint
+        self.joint = joint  # every data-parallel rank stopped here together (a signal, non-finite gradients)
 
 
 def continues_in(run_dir: Path, resume_from: Path | None) -> bool:
@@ -246,6 +247,12 @@ class Trainer:
             if saved["state"]["step"] > self.total_steps:  # it would train nothing and save over `final`
                 raise UserError(f"--resume {t.resume}: the checkpoint is at step {saved['state']['step']}, past this "
                                 f"run's {self.total_steps} steps; raise --max-steps or --epochs to train further")
+        replacing = t.overwrite and self.world.is_main and self.run_dir.is_dir() and not continues_in(self.run_dir,
+                                                                                                        resume_from)
+        impostor = checkpoint.first_impostor_in(self.run_dir, self.total_steps) if replacing else None
+        if impostor:  # --overwrite removes an earlier run's checkpoints only; the save would replace this
+            raise UserError(f"output directory {self.run_dir} holds {impostor}, which no mlxft run wrote and which "
+                            "this run would replace; move it away or choose another --output-dir")
 
         # The model changes only once the data (and the checkpoint resumed) have passed their
         # checks: a refused run leaves a model the caller passed in as it was.
@@ -307,10 +314,6 @@ class Trainer:
                 dropped = checkpoint.drop_metrics_after(self.run_dir, self.step_count)
             else:  # a new run here, though it may start from another run's checkpoint
                 if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
-                    impostor = checkpoint.first_impostor_in(self.run_dir, self.total_steps)
-                    if impostor:
-                        raise UserError(f"output directory {self.run_dir} holds {impostor}, which no mlxft run wrote "
-                                        "and which this run would replace; move it away or choose another --output-dir")
                     checkpoint.remove_checkpoints(self.run_dir)
                 checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
@@ -466,8 +469,8 @@ class Trainer:
         self._bound_cache()
         # A resumed run's weights are partly trained: its baselines are the step-0 records it has.
         fresh = self.step_count == 0 and self.batch_index == 0
-        if self.valid_set is not None and fresh:
-            self._evaluate()  # the baseline the validation curve starts from
+        if self.valid_set is not None and fresh and self.last_val_step is None:
+            self._evaluate()  # the baseline the validation curve starts from (once: a run stopped at step 0 has it)
         before = self._exact_match("before training") if t.exact_match_rows and fresh else None
         self.reporter.start_clock()  # the first logged window times training, not what came before it
         self._compile_first_step()
@@ -487,7 +490,7 @@ class Trainer:
                         path = self.save_checkpoint("emergency")
                         raise TrainingStopped(f"stopped by {self.stop.name} at step {self.step_count}; saved {path}; "
                                               f"continue with --resume {self.run_dir / checkpoint.LATEST}",
-                                              128 + self.stop.signum, path)
+                                              128 + self.stop.signum, path, joint=True)
                     self._micro_step(batches)
                 if self.batch_index >= len(batches):
                     self.epoch, self.batch_index = self.epoch + 1, 0
@@ -501,7 +504,7 @@ class Trainer:
             if stopped or self.stop.requested:
                 self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
                 raise TrainingStopped(f"stopped by {self.stop.name} after the last step ({self.step_count}); saved {path}",
-                                      128 + self.stop.signum, path)
+                                      128 + self.stop.signum, path, joint=True)
         result = TrainResult(self.run_dir, self.step_count, self.reporter.last_train_loss, self.last_val_loss,
                              self.skipped_steps, main_process=self.world.is_main)
         if t.exact_match_rows:
@@ -611,7 +614,7 @@ class Trainer:
                 raise TrainingStopped(
                     f"gradients were not finite for {streak} steps in a row{floor} (step {done.step}); saved {path}. "
                     "Lower --learning-rate, set --max-grad-norm, or check the data, then --resume "
-                    f"{self.run_dir / checkpoint.LATEST}", 1, path)
+                    f"{self.run_dir / checkpoint.LATEST}", 1, path, joint=True)
             later = steps[n + 1:] + self.pending
             self._after_step(done, later[0].queued_at if later else self.window_queued_at)
 

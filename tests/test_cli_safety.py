@@ -201,3 +201,19 @@ def test_generate_refuses_a_temperature_it_cannot_sample_with(temp, capsys):
 
     assert generate_main(["--model", "no-such-model", "--prompt", "hi", "--temp", temp]) == 2
     assert capsys.readouterr().err == "error: --temp must be a finite number >= 0 and --top-p in [0, 1]\n"
+
+
+@pytest.mark.parametrize("joint, printed", [(True, False), (False, True)])
+def test_a_rank_other_than_0_says_why_it_stopped_unless_all_stopped_together(monkeypatch, capsys, joint, printed):
+    # Rank 0 speaks for a stop every rank made together; an out-of-memory stop on rank 1 alone
+    # had gone unprinted, while rank 0 said "see its output".
+    import mlxft.trainer
+    from mlxft.train import main as train_main
+
+    def stopped(config):
+        raise mlxft.trainer.TrainingStopped("out of memory at step 3", 1, None, joint=joint)
+
+    monkeypatch.setattr(mlxft.trainer, "fine_tune", stopped)
+    monkeypatch.setenv("MLX_RANK", "1")
+    assert train_main(["--model", "m", "--data", "d"]) == 1
+    assert ("out of memory at step 3" in capsys.readouterr().err) is printed

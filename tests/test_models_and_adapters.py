@@ -174,9 +174,15 @@ def test_config_takes_paths_and_numpy_numbers_from_scripts(tmp_path):
     cfg.validate(assigned)
     assert (assigned.model.model, assigned.optim.learning_rate, assigned.train.batch_size) == (str(tmp_path), 0.5, 2)
     assert [type(v) for v in (assigned.optim.learning_rate, assigned.train.batch_size)] == [float, int]
-    assigned.train.batch_size = "4"
-    with pytest.raises(UserError, match="config field train.batch_size: expected an integer, got '4'"):
-        cfg.validate(assigned)
+    # What scripts have always been able to assign stays accepted: a tuple, None, a whole float.
+    assigned.adapter.targets, assigned.train.resume, assigned.train.max_steps = ("self_attn.q_proj",), None, 2.0
+    cfg.validate(assigned)
+    assert (assigned.adapter.targets, assigned.train.resume, assigned.train.max_steps) == (["self_attn.q_proj"], "", 2)
+    assert type(assigned.train.max_steps) is int
+    for value in ("4", 2.5):
+        assigned.train.batch_size = value
+        with pytest.raises(UserError, match=f"config field train.batch_size: expected an integer, got {value!r}"):
+            cfg.validate(assigned)
 
 
 def test_default_targets_of_an_unfamiliar_layout_are_every_linear_even_beside_a_named_one():

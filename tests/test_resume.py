@@ -350,6 +350,16 @@ def test_overwrite_replaces_checkpoints_but_not_a_users_directory_of_a_checkpoin
         os.replace(run / name, mine)
         if (tmp_path / "theirs").exists() or (tmp_path / "theirs").is_symlink():
             os.replace(tmp_path / "theirs", run / name)
+    # Refused before a model a script passed in changes (it was refused after LoRA went on).
+    from mlx_lm import load
+    from mlx_lm.tuner.lora import LoRALinear
+
+    (run / "final").rename(tmp_path / "final")
+    (run / "final").mkdir()
+    model, tokenizer = load(str(llama_dir))
+    with pytest.raises(UserError, match="holds final, which no mlxft run wrote"):
+        Trainer(config(llama_dir, uninterrupted[0], run, overwrite=True, max_steps=2), model, tokenizer)
+    assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())
 
 
 def test_a_failed_swap_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
@@ -721,6 +731,16 @@ def test_a_lost_progress_stream_stops_and_the_resumed_run_equals_an_uninterrupte
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
 
 
+def test_a_run_started_under_nohup_outlives_the_terminal():
+    # SIGHUP stops a run with a checkpoint, but one started under nohup (SIGHUP ignored) was
+    # stopped all the same at logout: the handler replaced the ignore.
+    code = ("import os, signal, time\nsignal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "from mlxft.signals import StopRequests\nwith StopRequests() as stop:\n"
+            "    os.kill(os.getpid(), signal.SIGHUP)\n    time.sleep(0.2)\n    print(stop.requested)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "False\n", proc.stderr
+
+
 def test_a_request_from_code_does_not_make_the_first_signal_a_second():
     code = (
         "import os, signal, time\n"
@@ -808,6 +828,23 @@ def test_steps_not_yet_logged_at_a_checkpoint_are_logged_by_the_resumed_run(llam
     Trainer(config(llama_dir, uninterrupted[0], out, resume=str(out / "checkpoint-2"), **settings)).train()
     (got,) = train_records()
     assert got["step"] == 3 and got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+
+
+def test_a_run_stopped_at_step_0_is_resumed_without_a_second_baseline(llama_dir, uninterrupted, tmp_path):
+    # `| head` now stops a run before its first step with a checkpoint: resumed, it validated its
+    # baseline again, and metrics.jsonl held two step-0 records.
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", CHAT_ROWS[:8])
+    write_jsonl(data / "valid.jsonl", CHAT_ROWS[:3])
+    out = tmp_path / "run"
+    first = Trainer(config(llama_dir, data, out, max_steps=2))
+    first.stop.request(signal.SIGTERM)
+    with pytest.raises(TrainingStopped):
+        first.train()
+    assert (out / "latest").resolve().name == "checkpoint-0-emergency"
+    Trainer(config(llama_dir, data, out, max_steps=2, resume="latest")).train()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "eval"] == [0, 2]
 
 
 def test_a_resumed_run_keeps_its_exact_match_baseline_from_step_0(llama_dir, tmp_path):
