@@ -685,7 +685,9 @@ def test_a_closed_terminal_or_pipe_stops_with_an_emergency_checkpoint(llama_dir,
     # Both used to end the run with nothing saved since the last checkpoint: SIGHUP (a dropped
     # SSH session) killed it, and a closed pipe (`| head`) raised at the next progress line.
     out = tmp_path / "run"
-    proc = cli(*long_run_args(llama_dir, uninterrupted[0], out), "--save-every", 1000)
+    # As from a terminal: under nohup (a CI job may run so) SIGHUP is ignored, and stays so.
+    proc = cli(*long_run_args(llama_dir, uninterrupted[0], out), "--save-every", 1000,
+               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     wait_for(proc, "step 2/")
     if cause == "SIGHUP":
         proc.send_signal(signal.SIGHUP)
