@@ -111,7 +111,7 @@ def _check_arguments(config, model, tokenizer, datasets) -> None:
     if model is not None and tokenizer is None and datasets is None:
         raise UserError("reading the data files needs the model's tokenizer: pass tokenizer= with model=, "
                         "or datasets= already tokenized")
-    given = isinstance(datasets, tuple) and len(datasets) == 2 and isinstance(datasets[0], data.Dataset) \
+    given = isinstance(datasets, (tuple, list)) and len(datasets) == 2 and isinstance(datasets[0], data.Dataset) \
         and (datasets[1] is None or isinstance(datasets[1], data.Dataset))
     if datasets is not None and not given:
         raise UserError("datasets= takes a pair (train, valid or None) of mlxft.data.Dataset objects")
@@ -294,6 +294,8 @@ class Trainer:
         self.tokenizer_saved = False
         if saved is not None:
             self._restore(resume_from, saved)
+            if not continues_in(self.run_dir, resume_from) and self.step_count == 0 and self.batch_index == 0:
+                self.last_val_step = None  # a new directory's metrics.jsonl holds no baseline yet
         self.step = build_step(model, self.optimizer, partial(loss_fn, label_smoothing=config.optim.label_smoothing,
                                                                   chunk=config.model.loss_chunk, training=True),
                                config.optim.max_grad_norm, reduce=self.world.all_sum if self.world.size > 1 else None)

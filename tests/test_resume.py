@@ -844,9 +844,12 @@ def test_a_run_stopped_at_step_0_is_resumed_without_a_second_baseline(llama_dir,
     with pytest.raises(TrainingStopped):
         first.train()
     assert (out / "latest").resolve().name == "checkpoint-0-emergency"
+    elsewhere = tmp_path / "elsewhere"  # started from it in a new directory: that one has no baseline yet
+    Trainer(config(llama_dir, data, elsewhere, max_steps=2, resume=str(out / "checkpoint-0-emergency"))).train()
     Trainer(config(llama_dir, data, out, max_steps=2, resume="latest")).train()
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["type"] == "eval"] == [0, 2]
+    for run in (out, elsewhere):
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if r["type"] == "eval"] == [0, 2], run
 
 
 def test_a_resumed_run_keeps_its_exact_match_baseline_from_step_0(llama_dir, tmp_path):

@@ -482,4 +482,4 @@ def test_api_mistakes_are_one_line_errors_and_leave_the_model_as_it_was(llama_di
             Trainer(*args, **kwargs)
     with pytest.raises(UserError, match="prompt_format 'chatt' is not one of auto, chat, raw"):
         evaluate(model, tokenizer, chat_data / "valid.jsonl", prompt_format="chatt")
-    Trainer(cfg(), model, tokenizer, datasets=(rows, None)).train()  # the model as it came still trains
+    Trainer(cfg(), model, tokenizer, datasets=[rows, None]).train()  # the model as it came still trains
