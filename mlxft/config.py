@@ -361,7 +361,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             flag = "--" + f.name.replace("_", "-")
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             help = f"{f.metadata['help']} (default: {default if not isinstance(default, list) else ','.join(default)})"
-            kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS, "help": help}
+            # argparse formats help with %: a literal one ("11% slower") pasted the option's record in.
+            kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS,
+                                      "help": help.replace("%", "%%")}
             if isinstance(default, bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif isinstance(default, list):

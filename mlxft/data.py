@@ -494,6 +494,9 @@ def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bo
         examples.append(example)
     kind = _one_shape(path, kinds)
     if not examples:
+        if truncated:  # the limit cut the answers off, not the data
+            raise UserError(f"{path}: no row has a supervised token within max_seq_length={max_seq_length} "
+                            f"({truncated} of {skipped} rows were cut); raise --max-seq-length")
         raise UserError(f"{path}: no row has a supervised token (all {skipped} rows skipped); check completions / assistant turns")
     if truncated and warn:
         print(f"warning: {path}: {truncated} of {len(examples) + skipped} rows were longer than "

@@ -171,6 +171,15 @@ def test_bad_rows_name_file_and_line(tmp_path, tokenizer, content, message):
         assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 
+def test_answers_all_cut_by_the_length_limit_name_it(tmp_path, tokenizer):
+    # The error blamed the data ("check completions") when --max-seq-length had cut every answer.
+    path = tmp_path / "train.jsonl"
+    write_jsonl(path, [{"prompt": "word " * 40, "completion": "answer"}] * 3)
+    with pytest.raises(UserError, match="no row has a supervised token within max_seq_length=16 .3 of 3 rows were "
+                                        "cut.; raise --max-seq-length"):
+        load_dataset(path, tokenizer, 16)
+
+
 @pytest.mark.parametrize("bad", ["train", "valid"])
 def test_bad_data_is_reported_before_the_model_is_loaded(tmp_path, bad):
     write_jsonl(tmp_path / "data" / "train.jsonl", [{"text": "a"}])
