@@ -78,15 +78,19 @@ class AdapterSpec:
 # Reading
 
 
+def adapter_directory(path) -> Path:
+    """The directory an ``--adapter`` argument names: itself, or the one holding the weights file it names."""
+    path = Path(path).expanduser()
+    return path.parent if path.is_file() and path.name in (checkpoint.ADAPTER_FILE, PEFT_WEIGHTS) else path
+
+
 def load_adapter_dir(path) -> tuple[dict[str, mx.array], AdapterSpec]:
     """The tensors of an adapter directory (mlx-lm names and orientation) and its spec.
 
     ``path`` is an mlxft run or checkpoint directory, an mlx-lm ``--adapter-path`` directory,
     or a PEFT adapter directory (or the weights file inside any of them).
     """
-    path = Path(path).expanduser()
-    if path.is_file() and path.name in (checkpoint.ADAPTER_FILE, PEFT_WEIGHTS):
-        path = path.parent
+    path = adapter_directory(path)
     if not path.exists():
         raise UserError(f"adapter directory {path} does not exist; check the path given to --adapter or --init-adapter")
     if not path.is_dir():

@@ -32,6 +32,9 @@ def _opt(default: Any, help: str, choices: tuple | None = None):
     return field(default=default, metadata=meta)
 
 
+PROMPT_FORMATS = ("auto", "chat", "raw")  # how prompt/completion rows are rendered (data.renders_chat)
+
+
 @dataclass
 class ModelConfig:
     """Which model to load and how to hold it in memory."""
@@ -132,7 +135,7 @@ class DataConfig:
         "auto",
         "How prompt/completion rows are rendered: chat (tokenizer's template), raw (concatenated), "
         "auto (chat when the tokenizer has a template).",
-        ("auto", "chat", "raw"),
+        PROMPT_FORMATS,
     )
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mlxft.config import PROMPT_FORMATS
 from mlxft.errors import UserError, first_line
 
 # Batches are sorted by length inside windows of this many batches: little padding,
@@ -443,9 +444,6 @@ def encode_chat(tokenizer, messages: list, completion_only: bool, where: str,
     if not completion_only:
         mask = [True] * len(ids)
     return ids, mask
-
-
-PROMPT_FORMATS = ("auto", "chat", "raw")  # DataConfig.prompt_format's choices
 
 
 def renders_chat(tokenizer, prompt_format: str) -> bool:

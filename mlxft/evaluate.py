@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxft.adapters import add_model_arguments
-from mlxft.config import MAX_COUNT, DataConfig, TrainConfig
+from mlxft.config import MAX_COUNT, PROMPT_FORMATS, DataConfig, TrainConfig
 from mlxft.errors import CliParser, UserError, run_cli
 
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--completion-only", action=argparse.BooleanOptionalAction, default=None,
                         help="score only completions / assistant turns (default: the run's, else "
                              f"{'yes' if DataConfig.completion_only else 'no'})")
-    parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default=None,
+    parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default=None,
                         help="how prompt/completion rows are rendered "
                              f"(default: the run's, else {DataConfig.prompt_format})")
     parser.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0 = all)")

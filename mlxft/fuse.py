@@ -47,12 +47,12 @@ def fuse(adapter: str | None, model: str | None, out, *, dequantize: bool = Fals
          max_shard_gb: float = 5.0, overwrite: bool = False, revision: str = "") -> Path:
     """Load base and adapter, merge, and write the model directory; return its path."""
     from mlxft import hf, models
-    from mlxft.adapters import load_with_adapter
+    from mlxft.adapters import adapter_directory, load_with_adapter
     from mlxft.gguf import _check_destination, check_output_apart
 
     out = Path(out).expanduser()
     # --adapter may name the weights file in its directory: the directory is what is read.
-    adapter_dir = Path(adapter).expanduser().parent if adapter and Path(adapter).expanduser().is_file() else adapter
+    adapter_dir = adapter_directory(adapter) if adapter else None
     check_output_apart(out, "--out", {"adapter directory": adapter_dir, "base model": model})
     _check_destination(out, overwrite)  # before the model loads, not after the merge
     if not (0 < max_shard_gb < float("inf")):  # nan and inf fail here, not after the model has loaded

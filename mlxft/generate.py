@@ -15,7 +15,7 @@ import sys
 from typing import Iterator
 
 from mlxft.adapters import add_model_arguments
-from mlxft.config import DataConfig
+from mlxft.config import PROMPT_FORMATS, DataConfig
 from mlxft.errors import CliParser, UserError, run_cli
 
 
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the user message ('-' reads it from standard input)")
     parser.add_argument("--system", default="", help="a system message to put before the prompt")
-    parser.add_argument("--prompt-format", choices=("auto", "chat", "raw"), default=None,
+    parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default=None,
                         help="auto: the chat template when the tokenizer has one (as training does); "
                              f"raw: the prompt text as is (default: the run's, else {DataConfig.prompt_format})")
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
