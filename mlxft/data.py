@@ -36,6 +36,18 @@ class Example:
     ids: np.ndarray
     mask: np.ndarray
 
+    def __post_init__(self):
+        # Examples also come from research scripts (Trainer(datasets=...)): lists, int masks.
+        ids, mask = np.asarray(self.ids), np.asarray(self.mask)
+        if ids.ndim != 1 or mask.shape != ids.shape:
+            raise UserError(f"Example: ids and mask must be 1-D and of one length (got shapes {ids.shape} and "
+                            f"{mask.shape}); give mask[j] = whether token j is a supervised target")
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise UserError(f"Example: ids must be integer token ids, got {ids.dtype}")
+        if mask.size and not (mask.dtype == bool or np.issubdtype(mask.dtype, np.integer)):
+            raise UserError(f"Example: mask must be booleans (or 0/1), got {mask.dtype}")
+        self.ids, self.mask = ids.astype(np.int32, copy=False), mask.astype(bool, copy=False)
+
     @property
     def supervised(self) -> int:
         return int(self.mask[1:].sum())
@@ -79,17 +91,44 @@ def resolve_files(data: str, train_file: str, valid_file: str) -> tuple[Path, Pa
     else:
         base = Path(data).expanduser()
         train = base / "train.jsonl" if base.is_dir() else base
-    if not train.is_file():
-        found = "is a directory" if train.is_dir() else "does not exist"  # a directory given to --train-file
-        raise UserError(f"training data {train} {found}; pass --data DIR (with train.jsonl) or --train-file FILE")
+    need_file(train, "training data", "pass --data DIR (with train.jsonl) or --train-file FILE")
     if valid_file:
         valid = Path(valid_file).expanduser()
-        if not valid.is_file():
-            found = "is a directory" if valid.is_dir() else "does not exist"
-            raise UserError(f"validation data {valid} {found}; pass a JSONL file to --valid-file")
+        need_file(valid, "validation data", "pass a JSONL file to --valid-file")
         return train, valid
     valid = train.parent / "valid.jsonl"
     return train, valid if valid.is_file() and valid != train else None
+
+
+def need_file(path: Path, what: str, advice: str) -> None:
+    """Refuse ``path`` unless it is a regular file, saying what it is instead."""
+    if path.is_file():
+        return
+    if path.is_dir():
+        found = "is a directory"
+    elif path.exists():  # a pipe (<(...)) or a device: the data is read more than once
+        found, advice = "is not a regular file (a pipe or device)", "write the data to a file and pass that"
+    else:
+        found = "does not exist"
+    raise UserError(f"{what} {path} {found}; {advice}")
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are all different (json keeps the last of two silently)."""
+    row = dict(pairs)
+    if len(row) < len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return row
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
+               type(None): "null"}
+_JSONL = "mlxft reads JSONL: one object per line, with text, prompt/completion or messages"
 
 
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:
@@ -101,14 +140,26 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line, object_pairs_hook=_unique_keys)
                 except json.JSONDecodeError as err:
-                    raise UserError(f"{path} line {number}: invalid JSON ({err.msg}); fix or remove the line") from err
+                    if "control character" in err.msg:
+                        advice = "write tabs and line breaks inside strings as \\t and \\n"
+                    elif not rows and not line.lstrip().startswith("{"):  # a .txt or a JSON array, not JSONL
+                        advice = _JSONL
+                    else:
+                        advice = "fix or remove the line"
+                    what = err.msg.removesuffix(" at")  # "Invalid control character at"
+                    raise UserError(f"{path} line {number}: invalid JSON ({what} at column {err.colno}); "
+                                    f"{advice}") from err
+                except _DuplicateKey as err:
+                    raise UserError(f"{path} line {number}: key {str(err)!r} is given twice in one object; "
+                                    "keep one") from err
                 except (ValueError, RecursionError) as err:  # an integer past Python's digit limit, nesting past its depth
                     raise UserError(f"{path} line {number}: JSON Python cannot read ({first_line(err)}); "
                                     "fix or remove the line") from err
                 if not isinstance(row, dict):
-                    raise UserError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
+                    raise UserError(f"{path} line {number}: expected a JSON object, got "
+                                    f"{_JSON_TYPES.get(type(row), type(row).__name__)}; {_JSONL}")
                 rows.append((number, row))
     except UnicodeDecodeError as err:
         raise UserError(f"{path}{_undecodable_line(path)}: not UTF-8 text ({err.reason}); save the file as UTF-8") from err
@@ -132,8 +183,15 @@ def _undecodable_line(path: Path) -> str:
 
 
 def row_kind(row: dict, where: str) -> str:
+    """The row's shape. ``messages`` decides (chat datasets often carry a rendered ``text`` or
+    their first ``prompt`` as well); a row with both ``text`` and a prompt or completion is
+    ambiguous and refused."""
     if "messages" in row:
         return "chat"
+    if "text" in row and ("prompt" in row or "completion" in row):
+        both = [key for key in ("text", "prompt", "completion") if key in row]
+        raise UserError(f"{where}: row has fields of two shapes ({', '.join(both)}); keep text, or prompt and "
+                        "completion")
     if "prompt" in row or "completion" in row:
         return "completion"
     if "text" in row:
@@ -214,7 +272,10 @@ def _one_shape(path: Path, kinds: dict[str, int]) -> str:
 
 
 def _encode(tokenizer, text: str, special: bool = False) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=special))
+    try:  # transformers warns of "indexing errors" past the model's length; mlxft cuts or splits first
+        return list(tokenizer.encode(text, add_special_tokens=special, verbose=False))
+    except TypeError:  # a tokenizer without transformers' keyword
+        return list(tokenizer.encode(text, add_special_tokens=special))
 
 
 def _eos(tokenizer) -> int:
@@ -457,7 +518,11 @@ def renders_chat(tokenizer, prompt_format: str) -> bool:
 def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, where: str) -> tuple[str, list[int], list[bool]]:
     kind = check_row(row, where)
     if kind == "text":
-        ids = _encode(tokenizer, row["text"], special=True) + [_eos(tokenizer)]
+        if not row["text"].strip():  # no document (with a BOS it would train an empty one)
+            return kind, [], []
+        ids = _encode(tokenizer, row["text"], special=True)
+        if ids[-1:] != [_eos(tokenizer)]:  # a document that already ends in EOS keeps one
+            ids.append(_eos(tokenizer))
         return kind, ids, [True] * len(ids)
     if kind == "chat":
         return (kind, *encode_chat(tokenizer, row["messages"], completion_only, where, row.get("tools")))
@@ -471,36 +536,55 @@ def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, 
     return kind, head + tail, mask
 
 
+def text_windows(ids: list[int], max_seq_length: int) -> list[list[int]]:
+    """A long document as consecutive windows of ``max_seq_length`` tokens, each starting at
+    the last token of the one before: every token after the first is a target exactly once."""
+    step = max_seq_length - 1
+    return [ids[start : start + max_seq_length] for start in range(0, len(ids) - 1, step)]
+
+
 def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bool = True, prompt_format: str = "auto",
                  warn: bool = True) -> Dataset:
-    """Tokenize every row once; truncate long rows and skip rows with nothing supervised, saying
-    so on stderr unless not ``warn`` (a data-parallel run's other ranks)."""
+    """Tokenize every row once; split long text rows into windows, truncate other long rows and
+    skip rows with nothing supervised, saying so on stderr unless not ``warn`` (a data-parallel
+    run's other ranks)."""
     examples: list[Example] = []
     kinds: dict[str, int] = {}
-    truncated = skipped = 0
+    truncated = skipped = split = 0
     for number, row in read_jsonl(path):
         where = f"{path} line {number}"
         kind, ids, mask = encode_row(row, tokenizer, completion_only, prompt_format, where)
         kinds.setdefault(kind, number)
-        if len(ids) > max_seq_length:
-            ids, mask = ids[:max_seq_length], mask[:max_seq_length]
+        pieces = [(ids, mask)]
+        if len(ids) > max_seq_length and kind == "text":  # pretraining text: nothing dropped
+            pieces = [(window, [True] * len(window)) for window in text_windows(ids, max_seq_length)]
+            split += 1
+        elif len(ids) > max_seq_length:
+            pieces = [(ids[:max_seq_length], mask[:max_seq_length])]
             truncated += 1
-        example = Example(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
-        if example.supervised == 0:
-            skipped += 1
-            continue
-        examples.append(example)
+        for ids, mask in pieces:
+            example = Example(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
+            if example.supervised == 0:
+                skipped += 1
+                continue
+            examples.append(example)
     kind = _one_shape(path, kinds)
+    nothing = "empty text rows" if kind == "text" else "rows with no supervised token"
     if not examples:
         if truncated:  # the limit cut the answers off, not the data
             raise UserError(f"{path}: no row has a supervised token within max_seq_length={max_seq_length} "
                             f"({truncated} of {skipped} rows were cut); raise --max-seq-length")
+        if kind == "text":
+            raise UserError(f"{path}: every row's text is empty; add text")
         raise UserError(f"{path}: no row has a supervised token (all {skipped} rows skipped); check completions / assistant turns")
+    if split and warn:
+        print(f"note: {path}: {split} text rows longer than max_seq_length={max_seq_length} were split into "
+              f"windows of that length ({len(examples)} examples in all)", file=sys.stderr)
     if truncated and warn:
         print(f"warning: {path}: {truncated} of {len(examples) + skipped} rows were longer than "
               f"max_seq_length={max_seq_length} and were truncated", file=sys.stderr)
     if skipped and warn:
-        print(f"warning: {path}: skipped {skipped} rows with no supervised token", file=sys.stderr)
+        print(f"warning: {path}: skipped {skipped} {nothing}", file=sys.stderr)
     return Dataset(path, examples, kind, truncated, skipped)
 
 

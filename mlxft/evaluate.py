@@ -66,8 +66,9 @@ def data_file(data: str) -> Path:
             if (path / name).is_file():
                 return path / name
         raise UserError(f"{path} holds neither test.jsonl nor valid.jsonl; pass --data FILE.jsonl")
-    if not path.is_file():
-        raise UserError(f"evaluation data {path} does not exist; check --data")
+    from mlxft.data import need_file  # imported where used, as evaluate() does: importing this module stays light
+
+    need_file(path, "evaluation data", "check --data")
     return path
 
 

@@ -93,12 +93,21 @@ def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = 
                         "choose another --output-dir or pass --overwrite")
 
 
-def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | None) -> None:
-    """What loading a JSONL file refuses, for datasets built in Python."""
+def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | None, vocab_size: int | None) -> None:
+    """What loading a JSONL file refuses, for datasets built in Python, and token ids the
+    model's embedding does not have (MLX does not check an index)."""
     for name, dataset in (("train", train_set), ("validation", valid_set)):
-        if dataset is not None and not any(example.supervised for example in dataset.examples):
+        if dataset is None:
+            continue
+        if not any(example.supervised for example in dataset.examples):
             raise UserError(f"the {name} dataset has no row with a supervised token; give rows with completions "
                             "or assistant turns")
+        for number, example in enumerate(dataset.examples):
+            outside = (example.ids < 0) | (example.ids >= vocab_size if vocab_size else False)
+            if outside.any():
+                raise UserError(f"the {name} dataset's example {number} holds token id {example.ids[outside][0]}, "
+                                f"outside the model's vocabulary of {vocab_size or 'ids from 0'}; tokenize with "
+                                "the model's tokenizer")
 
 
 def _check_arguments(config, model, tokenizer, datasets) -> None:
@@ -224,7 +233,8 @@ class Trainer:
                 self.valid_set = load(self.valid_file) if self.valid_file else None
         else:
             self.train_set, self.valid_set = datasets
-            _check_given_datasets(self.train_set, self.valid_set)
+            vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
+            _check_given_datasets(self.train_set, self.valid_set, vocab_size)
         scored = self.valid_set if self.valid_set is not None else self.train_set  # what exact-match reads
         if t.exact_match_rows and (scored.path is None or not Path(scored.path).is_file()):  # a dataset built in Python
             raise UserError(f"train.exact_match_rows: exact-match reads prompts and answers from the dataset's JSONL "

@@ -160,6 +160,13 @@ def test_truncation_and_skipping_are_counted(tmp_path, tokenizer, capsys):
         (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "line 2: not UTF-8 text"),  # a Latin-1 export
         ('{"text": "ok"}\n{"n": 1' + "0" * 5000 + "}\n", "line 2: JSON Python cannot read"),
         ("[" * 100_000 + "]" * 100_000 + "\n", "line 1: JSON Python cannot read"),
+        # json keeps the last of two keys and the first shape found won: both trained the wrong thing silently.
+        ('{"prompt": "Q", "completion": "no", "completion": "yes"}\n', "line 1: key 'completion' is given twice"),
+        ('{"messages": [{"role": "user", "role": "assistant", "content": "x"}]}\n', "key 'role' is given twice"),
+        ('{"text": "t", "prompt": "Q", "completion": "A"}\n', "line 1: row has fields of two shapes (text, prompt"),
+        ("plain text, not JSONL\n", "line 1: invalid JSON (Expecting value at column 1); mlxft reads JSONL: one "),
+        ('[{"text": "a"}]\n', "line 1: expected a JSON object, got an array; mlxft reads JSONL"),
+        ('{"text": "a\tb"}\n', "(Invalid control character at column 12); write tabs and line breaks inside "),
     ],
 )
 def test_bad_rows_name_file_and_line(tmp_path, tokenizer, content, message):
@@ -169,6 +176,53 @@ def test_bad_rows_name_file_and_line(tmp_path, tokenizer, content, message):
         with pytest.raises(UserError, match=re.escape(message)) as err:
             read()
         assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_chat_row_may_carry_other_fields(tmp_path, tokenizer):
+    # Chat datasets (UltraChat) carry their first prompt, or the chat rendered as text, beside the messages.
+    row = {"prompt": "hi", "text": "rendered", "messages": [{"role": "user", "content": "hi"},
+                                                             {"role": "assistant", "content": "yes"}]}
+    assert load_dataset(write_jsonl(tmp_path / "c.jsonl", [row]), tokenizer, 64).kind == "chat"
+
+
+def test_long_text_rows_are_split_so_every_token_is_a_target_once(tmp_path, tokenizer, capsys):
+    # Truncated, a 300-token document trained on its first 31 tokens and dropped the rest.
+    text = " ".join(f"w{i}" for i in range(150))
+    whole = load_dataset(write_jsonl(tmp_path / "w.jsonl", [{"text": text}]), tokenizer, 4096).examples[0].ids
+    ds = load_dataset(write_jsonl(tmp_path / "t.jsonl", [{"text": text}, {"text": "short"}]), tokenizer, 32)
+    windows = [e.ids for e in ds.examples[:-1]]
+    assert all(len(w) == 32 for w in windows[:-1]) and 2 <= len(windows[-1]) <= 32 and ds.truncated == 0
+    assert all(a[-1] == b[0] for a, b in zip(windows, windows[1:]))  # each starts at the one before's last token
+    assert np.concatenate([windows[0]] + [w[1:] for w in windows[1:]]).tolist() == whole.tolist()
+    assert sum(e.supervised for e in ds.examples[:-1]) == len(whole) - 1
+    assert f"1 text rows longer than max_seq_length=32 were split into windows of that length ({len(ds)} " in (
+        capsys.readouterr().err)
+
+
+def test_text_ending_in_eos_gets_no_second_eos(tmp_path, tokenizer):
+    ds = load_dataset(write_jsonl(tmp_path / "t.jsonl", [{"text": "done.<|im_end|>"}]), tokenizer, 64)
+    assert tokenizer.decode(ds.examples[0].ids.tolist()) == "done.<|im_end|>"
+
+
+def test_empty_text_rows_are_skipped_whatever_the_tokenizer(tmp_path, tokenizer, monkeypatch, capsys):
+    bos = tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    encode = tokenizer._tokenizer.encode
+    # A tokenizer that adds a BOS trained an empty row as the document [BOS, EOS].
+    monkeypatch.setattr(tokenizer._tokenizer, "encode",
+                        lambda text, add_special_tokens=True, **kw: (bos if add_special_tokens else [])
+                        + encode(text, add_special_tokens=False, **kw))
+    ds = load_dataset(write_jsonl(tmp_path / "t.jsonl", [{"text": ""}, {"text": "  "}, {"text": "a"}]), tokenizer, 64)
+    assert len(ds) == 1 and ds.skipped == 2 and "skipped 2 empty text rows" in capsys.readouterr().err
+    with pytest.raises(UserError, match="every row's text is empty; add text"):
+        load_dataset(write_jsonl(tmp_path / "e.jsonl", [{"text": ""}]), tokenizer, 64)
+
+
+def test_a_pipe_is_named_as_one(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo")  # `--train-file <(...)`: the data is read more than once
+    with pytest.raises(UserError, match=r"fifo is not a regular file \(a pipe or device\); write the data to a file"):
+        resolve_files("", str(tmp_path / "fifo"), "")
 
 
 def test_answers_all_cut_by_the_length_limit_name_it(tmp_path, tokenizer):

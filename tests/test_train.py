@@ -445,6 +445,20 @@ def test_a_model_passed_in_is_frozen_left_as_found_and_never_adapted_twice(llama
     for dataset in (nothing, []):
         with pytest.raises(UserError, match="the train dataset has no row with a supervised token"):
             Trainer(cfg, fresh, tokenizer, datasets=(Dataset(Path("rows"), dataset, "completion"), None))
+    # Examples built from lists trained; a mask of another length was an IndexError or trained silently;
+    # an id past the embedding was read from outside it.
+    listed = Example(list(range(3, 19)), [j >= 8 for j in range(16)])
+    assert listed.ids.dtype == np.int32 and listed.mask.dtype == bool and listed.supervised == 8
+    for mask in (np.ones(15, bool), np.ones(17, bool), np.ones((16, 1), bool)):
+        with pytest.raises(UserError, match=r"Example: ids and mask must be 1-D and of one length"):
+            Example(np.arange(16), mask)
+    with pytest.raises(UserError, match="Example: ids must be integer token ids, got float"):
+        Example(np.linspace(0, 1, 4), np.ones(4, bool))
+    outside = [Example(np.array([3, 4, fresh.args.vocab_size]), np.ones(3, bool))]
+    with pytest.raises(UserError, match=f"the validation dataset's example 0 holds token id {fresh.args.vocab_size}, "
+                                        "outside the model's vocabulary"):
+        Trainer(cfg, fresh, tokenizer, datasets=(Dataset(Path("rows"), rows, "completion"),
+                                                 Dataset(Path("valid"), outside, "completion")))
 
 
 def test_api_mistakes_are_one_line_errors_and_leave_the_model_as_it_was(llama_dir, chat_data, tmp_path):
