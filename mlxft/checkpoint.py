@@ -323,7 +323,8 @@ def save_checkpoint(run_dir: Path, name: str, model, metadata: dict, optimizer_s
         replace_directory(tmp, final)  # re-saving a step (e.g. final after a resume) swaps
         _point_latest(run_dir, name)
     except OSError as err:
-        raise UserError(f"cannot write checkpoint {final}: {err.strerror or err}; free disk space (earlier checkpoints are intact)") from err
+        kept = " (earlier checkpoints are intact)" if (run_dir / LATEST).exists() else ""
+        raise UserError(f"cannot write checkpoint {final}: {err.strerror or err}; free disk space{kept}") from err
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -438,20 +439,57 @@ def remove_checkpoints(run_dir: Path) -> list[Path]:
 
 # What a save killed half-way (SIGKILL, power loss) leaves: a checkpoint's temporary directory,
 # a run file's temporary copy, the `latest` link's, or the tokenizer's staging directory. Never
-# complete, never read, so safe to delete; an old checkpoint moved aside (``.old``) is kept.
+# complete, never read, so safe to delete; an old checkpoint moved aside (``.old``)
+# is recover_swaps's to put back or delete.
 _PARTIAL_SAVE = re.compile(r"^\.((checkpoint-\d+(-emergency)?|final|latest|adapters\.safetensors|adapter_config\.json"
                            r"|config\.yaml|training_state\.json|metrics\.jsonl)\..+\.tmp(\.[a-z]+)?|tokenizer\.\w+)$")
 
 
 def remove_partial_saves(run_dir: Path) -> list[Path]:
-    """Delete what interrupted saves left in ``run_dir`` (see ``_PARTIAL_SAVE``)."""
+    """Delete what interrupted saves left in ``run_dir`` (see ``_PARTIAL_SAVE``). Best effort:
+    what cannot be deleted (a read-only directory) is never read either."""
     doomed = [p for p in Path(run_dir).iterdir() if _PARTIAL_SAVE.match(p.name)] if Path(run_dir).is_dir() else []
     for path in doomed:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
     return doomed
+
+
+# A checkpoint moved aside by replace_directory (``.X.*.old/X``) or the hard-linked copy
+# _hold_latest points ``latest`` at while X is swapped (``.X.*.old`` itself).
+_SWAPPED = re.compile(r"^\.(checkpoint-\d+(?:-emergency)?|final)\.[^.]+\.old$")
+
+
+def recover_swaps(run_dir: Path) -> list[str]:
+    """Finish what a kill in the middle of swapping a checkpoint left: put a checkpoint that
+    was moved aside back when its replacement never arrived, point ``latest`` from a held copy
+    back at the checkpoint's own name, and delete the hidden copies ``latest`` no longer
+    needs. Returns the names put back."""
+    run_dir = Path(run_dir)
+    link = run_dir / LATEST
+
+    def latest_in(hidden: Path) -> bool:
+        return link.is_symlink() and link.resolve() == hidden.resolve()
+
+    hidden = [(p, _SWAPPED.match(p.name).group(1)) for p in sorted(run_dir.iterdir())
+              if _SWAPPED.match(p.name) and p.is_dir() and not p.is_symlink()]
+    restored = []
+    for aside, name in hidden:  # first: a held copy is let go only once its checkpoint is back
+        if (aside / name).is_dir() and not (run_dir / name).exists() and not (run_dir / name).is_symlink():
+            os.replace(aside / name, run_dir / name)
+            _fsync_dir(run_dir)
+            restored.append(name)
+    for copy, name in hidden:
+        if latest_in(copy) and _checkpoint_state(run_dir / name) is not None:
+            _point_latest(run_dir, name)
+        if not latest_in(copy):
+            shutil.rmtree(copy, ignore_errors=True)
+    return restored
 
 
 def first_impostor_in(run_dir: Path, last_step: int) -> str | None:

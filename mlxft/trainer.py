@@ -15,6 +15,7 @@ import math
 import signal
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,7 +24,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
-from mlxft import _blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models, normed, packing
+from mlxft import (_blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models,
+                   normed, packing, runlock)
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError, first_line, print_error
 from mlxft.gguf import check_output_apart
@@ -314,20 +316,29 @@ class Trainer:
             grads, loss_sum, tokens = self.window
             self.window = (gradient_window(grads, self.layout), loss_sum, tokens)
         dropped, left = 0, None  # metrics.jsonl records of steps this resumed run trains again; what latest named
+        self.lock: runlock.RunLock | None = None  # rank 0's hold on run_dir (see mlxft.runlock)
         if self.world.is_main:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:  # permissions, a read-only disk, a parent that is a file
                 raise UserError(f"cannot create --output-dir {self.run_dir}: {err.strerror or err}; choose "
                                 "a directory you can write to") from err
-            checkpoint.remove_partial_saves(self.run_dir)  # a killed run's; this run's saves start clean
-            if continues_in(self.run_dir, resume_from):
-                left = checkpoint.rewind_latest(self.run_dir, resume_from)  # before its steps' metrics go
-                dropped = checkpoint.drop_metrics_after(self.run_dir, self.step_count)
-            else:  # a new run here, though it may start from another run's checkpoint
-                if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
-                    checkpoint.remove_checkpoints(self.run_dir)
-                checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
+            # Before anything here changes: another process may be training into it.
+            self._hold_run_dir()
+            try:
+                checkpoint.recover_swaps(self.run_dir)  # a run killed while replacing a checkpoint
+                checkpoint.remove_partial_saves(self.run_dir)  # a killed run's; this run's saves start clean
+                if continues_in(self.run_dir, resume_from):
+                    left = checkpoint.rewind_latest(self.run_dir, resume_from)  # before its steps' metrics go
+                    dropped = checkpoint.drop_metrics_after(self.run_dir, self.step_count)
+                else:  # a new run here, though it may start from another run's checkpoint
+                    if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
+                        checkpoint.remove_checkpoints(self.run_dir)
+                    checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
+            except OSError as err:  # a read-only or full disk under a directory that exists
+                self.release()
+                raise UserError(f"cannot update {self.run_dir}: {err.strerror or err}; make it writable or free "
+                                "disk space") from err
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
         self.reporter.on_stream_lost = self._output_lost
         if saved is not None:
@@ -450,14 +461,30 @@ class Trainer:
 
     def train(self) -> TrainResult:
         """Train to the last step; raises :class:`TrainingStopped` after an emergency save. The
-        model is left in the mode (training or evaluation) it was in."""
+        model is left in the mode (training or evaluation) it was in, and the output directory
+        free for another process."""
         was_training = self.model.training
+        self._hold_run_dir()
         self.model.train()  # mlx_lm.load leaves a model in evaluation mode, with its dropouts off
         try:
             with self._run_limits():
                 return self._train_reporting_failures()
         finally:
             self.model.train(was_training)
+            self.release()
+
+    def _hold_run_dir(self) -> None:
+        """Rank 0 locks the output directory against other processes (see :mod:`mlxft.runlock`)."""
+        if self.world.is_main and self.lock is None:
+            self.lock = runlock.acquire(self.run_dir)
+            if self.lock is not None:  # a Trainer dropped without training lets the directory go
+                weakref.finalize(self, self.lock.release)
+
+    def release(self) -> None:
+        """Let other processes train into the output directory; :meth:`train` takes it again."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def _train_reporting_failures(self) -> TrainResult:
         try:
@@ -835,7 +862,7 @@ class Trainer:
 
     def save_checkpoint(self, kind: str, run_files: bool = False) -> Path:
         """A resumable checkpoint (``step``, ``emergency`` or ``final``) in the run directory;
-        with ``run_files``, the run directory's own files (:meth:`save`) first, in the same wait.
+        with ``run_files``, the run directory's own files (:meth:`save`) after it, in the same wait.
 
         Only rank 0 writes; every rank calls this at the same point and returns the path. A
         step checkpoint is followed by pruning the older ones. A peer lost during the save is
@@ -843,9 +870,6 @@ class Trainer:
         name = checkpoint.checkpoint_name(self.step_count, kind)
 
         def write(progress):
-            if run_files:
-                self._write_run_files(progress)
-                progress()
             moments = dict(tree_flatten(optimizer_state(self.optimizer, self.layout)))
             window = None
             if self.window is not None:
@@ -855,6 +879,9 @@ class Trainer:
             path = checkpoint.save_checkpoint(self.run_dir, name, self.model, self.adapter_metadata(), moments, window,
                                               self.resume_state(), self.config.to_saved_dict(), progress)
             self.reporter.info(f"checkpoint {path}")
+            if run_files:  # after the checkpoint: a kill between them leaves a run that resumes
+                progress()
+                self._write_run_files(progress)
             if kind == "step":
                 progress()
                 checkpoint.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints, self.run_id,

@@ -116,6 +116,42 @@ def test_an_output_dir_without_permission_is_a_one_line_error(llama_dir, chat_da
     assert "Permission denied" in err and err.count("\n") == 1
 
 
+def test_a_second_run_into_a_directory_in_use_is_refused(llama_dir, chat_data, tmp_path, capsys):
+    """Both used to exit 0, the second silently replacing the first one's work."""
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from mlxft import runlock; runlock.acquire(sys.argv[1]); "
+                               "print('held', flush=True); sys.stdin.read()", str(run)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for extra in ([], ["--overwrite"]):
+            assert train_main(_common(llama_dir, chat_data) + ["--output-dir", str(run), *extra]) == 2
+            err = capsys.readouterr().err
+            assert f"is in use by another run (pid {holder.pid}); wait for it" in err and err.count("\n") == 1
+        assert [p.name for p in run.iterdir()] == [".mlxft.lock"]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    _train(llama_dir, chat_data, run)  # the lock went with the process that held it
+
+
+def test_an_output_dir_that_cannot_be_updated_at_resume_is_a_one_line_error(llama_dir, chat_data, tmp_path,
+                                                                           monkeypatch, capsys):
+    run = _train(llama_dir, chat_data, tmp_path / "run", "--max-steps", "2", "--save-every", "1")
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "symlink", read_only)  # resuming an older checkpoint points latest back at it
+    assert train_main(_common(llama_dir, chat_data)[:-3] + ["--max-steps", "2", "--no-memory-estimate", "--output-dir",
+                                                           str(run), "--resume", str(run / "checkpoint-1")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: cannot update {run}: Read-only file system; make it writable or free disk space\n"
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
 def test_tilde_paths_in_a_config_file_mean_the_home_directory(llama_dir, chat_data, tmp_path, monkeypatch):
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     cwd.mkdir()

@@ -625,7 +625,7 @@ def test_full_disk_during_a_save_keeps_earlier_checkpoints(llama_dir, uninterrup
     with pytest.raises(UserError, match="No space left on device"):
         trainer.save()
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".mlxft.lock"]
 
     # A disk with no room for even the temporary directory (out of inodes) is the same error.
     monkeypatch.undo()
@@ -878,7 +878,8 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(llama_dir, uninterrup
         proc.communicate(timeout=60)
         for path in [p for p in out.iterdir() if p.name.startswith("checkpoint-")] + [out / "latest"]:
             checkpoint.load_checkpoint(path.resolve())  # every visible checkpoint is complete
-        json.loads((out / "training_state.json").read_text())
+        if (out / "training_state.json").exists():  # the run's own files follow the checkpoint
+            json.loads((out / "training_state.json").read_text())
     assert (out / "latest").resolve().exists()
 
 
@@ -1000,9 +1001,47 @@ def test_sigkill_while_re_saving_the_checkpoint_latest_names_leaves_latest_compl
         tiny_checkpoint(run, "checkpoint-3-emergency", step=3)
     """)
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
-    checkpoint.remove_partial_saves(tmp_path)  # what the next run does first
-    latest = checkpoint.resolve_checkpoint("latest", tmp_path)
-    assert checkpoint.load_checkpoint(latest)["state"]["step"] == 3
+    hidden = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".old"))
+    assert len(hidden) == 2 and not (tmp_path / "checkpoint-3-emergency").exists()  # the held copy and the moved one
+    assert checkpoint.load_checkpoint(checkpoint.resolve_checkpoint("latest", tmp_path))["state"]["step"] == 3
+    # What the next run does first: the checkpoint is back under its name, latest names it, nothing is hidden.
+    assert checkpoint.recover_swaps(tmp_path) == ["checkpoint-3-emergency"]
+    checkpoint.remove_partial_saves(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3-emergency", "latest"]
+    assert checkpoint.resolve_checkpoint("latest", tmp_path) == (tmp_path / "checkpoint-3-emergency").resolve()
+    assert checkpoint.load_checkpoint(tmp_path / "checkpoint-3-emergency")["state"]["step"] == 3
+
+
+def test_a_kill_after_the_swap_leaves_latest_pointed_at_the_new_checkpoint_by_the_next_run(tmp_path):
+    tiny_checkpoint(tmp_path, "final", step=3)
+    held = checkpoint._hold_latest(tmp_path, tmp_path / "final")  # what save_checkpoint does, up to the kill:
+    (tmp_path / "elsewhere").mkdir()
+    new = tiny_checkpoint(tmp_path / "elsewhere", "final", step=4)
+    checkpoint.replace_directory(new, tmp_path / "final")  # the new one is in place, latest still names the copy
+    assert (tmp_path / "latest").resolve() == held.resolve()
+    assert checkpoint.recover_swaps(tmp_path) == []
+    assert checkpoint.resolve_checkpoint("latest", tmp_path) == (tmp_path / "final").resolve()
+    assert checkpoint.load_checkpoint(tmp_path / "final")["state"]["step"] == 4
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".old")]
+
+
+def test_a_kill_between_the_final_checkpoint_and_the_run_files_leaves_a_run_that_resumes(llama_dir, uninterrupted,
+                                                                                        tmp_path, monkeypatch):
+    class Killed(BaseException):
+        pass
+
+    def killed(self, progress):
+        raise Killed
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(Trainer, "_write_run_files", killed)
+    with pytest.raises(Killed):
+        Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2, save_every=0)).train()
+    monkeypatch.undo()
+    assert not (out / "adapters.safetensors").exists()
+    assert checkpoint.resolve_checkpoint("latest", out) == (out / "final").resolve()
+    result = Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2, save_every=0, resume="latest")).train()
+    assert result.steps == 2 and (out / "adapters.safetensors").is_file() and (out / "training_state.json").is_file()
 
 
 def test_a_checkpoint_of_another_dtype_leaves_the_loss_scaler_as_it_starts():

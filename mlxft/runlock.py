@@ -1,0 +1,83 @@
+"""One run at a time in an output directory.
+
+Two runs started into the same ``--output-dir`` would both exit 0 while the second silently
+replaced the first one's checkpoints and interleaved their metrics. Rank 0 of a run holds an
+advisory lock on ``<output-dir>/.mlxft.lock`` from setting the directory up until training
+ends; a second process asking for it is refused with the holder's pid. The lock belongs to
+the open file, so a killed run releases it without leaving anything to clean up.
+
+Within one process (a research script or notebook building a Trainer after another on the
+same directory) the lock is shared: the process already owns the directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mlxft.errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): runs are not guarded
+    fcntl = None
+
+LOCK_FILE = ".mlxft.lock"
+
+_held: dict[str, list] = {}  # resolved directory -> [file descriptor, users in this process]
+
+
+class RunLock:
+    """This process's hold on a run directory; :meth:`release` once, further calls do nothing."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.released = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        entry = _held.get(self.key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _held[self.key]
+            os.close(entry[0])
+
+
+def acquire(run_dir: Path) -> RunLock | None:
+    """Lock ``run_dir`` (which exists) for this process, or raise UserError naming the run
+    that holds it. None where the platform or file system offers no lock."""
+    run_dir = Path(run_dir)
+    key = str(run_dir.resolve())
+    if key in _held:
+        _held[key][1] += 1
+        return RunLock(key)
+    if fcntl is None:
+        return None
+    path = run_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise UserError(f"cannot update {run_dir}: {err.strerror or err}; make it writable or choose "
+                        "another --output-dir") from err
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.read(fd, 32).decode("ascii", "replace").strip()
+        os.close(fd)
+        raise UserError(f"output directory {run_dir} is in use by another run"
+                        + (f" (pid {owner})" if owner.isdigit() else "")
+                        + "; wait for it to finish or choose another --output-dir") from None
+    except OSError:  # a file system without flock (some network mounts): run unguarded, as before
+        os.close(fd)
+        return None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError:
+        pass  # the pid only makes the refusal clearer
+    _held[key] = [fd, 1]
+    return RunLock(key)
