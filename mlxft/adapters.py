@@ -35,6 +35,18 @@ from mlxft.errors import UserError, first_line
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
+# LoraConfig fields that leave the adapter plain LoRA, rsLoRA or DoRA (read, checked below, or
+# only about how PEFT trained it). Any other field set is a variant mlxft does not implement
+# (aLoRA, QALoRA, layer replication, LoRA biases, trainable tokens, newer ones): refused, not
+# loaded as plain LoRA.
+_PEFT_PLAIN_FIELDS = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                      "inference_mode", "r", "target_modules", "exclude_modules", "lora_alpha", "lora_dropout",
+                      "fan_in_fan_out", "bias", "use_rslora", "use_dora", "init_lora_weights", "layers_to_transform",
+                      "layers_pattern", "rank_pattern", "alpha_pattern", "modules_to_save", "target_parameters",
+                      "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config",
+                      "lora_ga_config", "qalora_group_size", "runtime_config", "ensure_weight_tying"}
+# Initialisations that change the base's weights too: the adapter fits that changed base.
+_PEFT_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 FINE_TUNE_TYPES = ("lora", "dora", "full")
 # Files a tokenizer is saved as; copied along so an exported adapter stays self-contained.
 TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*",
@@ -64,6 +76,10 @@ class AdapterSpec:
     path: Path = Path(".")
     run_config: dict | None = None  # an mlxft run's config.yaml, when there is one
     base_quantization: dict | None = None  # bits, group_size, dtype: how an mlxft run quantized a float base
+    # Modules inside the span may hold no tensors (a PEFT adapter's layers_to_transform, per
+    # layer target lists); they get a fresh adapter that changes nothing. Elsewhere a missing
+    # tensor means a damaged file.
+    partial: bool = False
 
     @property
     def alpha(self) -> float:
@@ -170,14 +186,32 @@ def _mlxft_spec(path: Path, meta: dict[str, str]) -> AdapterSpec:
             scale=float(meta["scale"]), dropout=float(meta["dropout"]), targets=list(targets),
             num_layers=int(meta["num_layers"]), model_type=meta.get("model_type", ""),
             base_model=meta.get("base_model", ""), source="mlxft", path=path,
-            base_quantization=_base_quantization(meta.get("base_quantization"), where))
+            base_quantization=_base_quantization(meta.get("base_quantization"), where),
+            partial=meta.get("partial") == "true")
     except KeyError as err:
         raise UserError(f"{where}: the header lacks the LoRA entry {err}; the file is damaged") from err
     except (ValueError, TypeError) as err:
         raise UserError(f"{where}: unreadable LoRA header entry ({err})") from err
+    config = _read_optional_json(path / checkpoint.ADAPTER_CONFIG)
+    _check_config_agrees(path, config, spec)
     if not spec.base_model:  # runs written before the header recorded it
-        spec.base_model = _read_optional_json(path / checkpoint.ADAPTER_CONFIG).get("base_model", "")
+        spec.base_model = config.get("base_model", "")
     return spec
+
+
+def _check_config_agrees(path: Path, config: dict, spec: AdapterSpec) -> None:
+    """mlx-lm builds the layers from adapter_config.json and mlxft from the safetensors header:
+    an edited copy of one would make the two load different adapters from the same directory."""
+    params = config.get("lora_parameters") if isinstance(config.get("lora_parameters"), dict) else {}
+    recorded = (("fine_tune_type", config, spec.fine_tune_type), ("num_layers", config, spec.num_layers),
+                ("rank", params, spec.rank), ("scale", params, spec.scale), ("dropout", params, spec.dropout),
+                ("keys", params, spec.targets))
+    for key, where, header in recorded:
+        if key in where and where[key] != header and not (key == "keys" and sorted(where[key] or []) == sorted(header)):
+            field = key if where is config else f"lora_parameters.{key}"
+            raise UserError(f"{path / checkpoint.ADAPTER_CONFIG}: {field} is {where[key]!r} but "
+                            f"{checkpoint.ADAPTER_FILE}'s header says {header!r}; mlx-lm reads the first and mlxft the "
+                            "second: edit one to match the other")
 
 
 def _base_quantization(value, where: Path) -> dict | None:
@@ -271,6 +305,15 @@ def _read_peft(path: Path) -> tuple[dict[str, mx.array], AdapterSpec]:
                          ("modules_to_save", "fully trained extra modules"), ("target_parameters", "parameter targets")):
         if config.get(key):
             raise UserError(f"{where}: '{key}' is set ({refusal}); mlxft adapters have one rank and alpha and train no extra modules")
+    variant = next((key for key in sorted(config) if key not in _PEFT_PLAIN_FIELDS and config[key]), None)
+    if variant:
+        raise UserError(f"{where}: '{variant}' is set, a LoRA variant mlxft does not implement; only plain LoRA, "
+                        "rsLoRA and DoRA adapters can be loaded")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_PEFT_BASE_CHANGING_INITS):
+        raise UserError(f"{where}: init_lora_weights {init!r} changed the base's weights as well, and the adapter "
+                        "fits only that changed base; save it with save_pretrained(..., "
+                        "path_initial_model_for_weight_conversion=...) to get a LoRA of the unchanged base")
     if config.get("bias", "none") != "none":
         raise UserError(f"{where}: bias={config['bias']!r} trains biases; only bias='none' adapters can be loaded")
     if config.get("fan_in_fan_out"):
@@ -293,7 +336,7 @@ def _read_peft(path: Path) -> tuple[dict[str, mx.array], AdapterSpec]:
     spec = AdapterSpec(
         fine_tune_type="dora" if use_dora else "lora", rank=rank, scale=scale,
         dropout=_dropout(config, "lora_dropout", where), targets=[], num_layers=None,
-        base_model=str(config.get("base_model_name_or_path") or ""), source="peft", path=path)
+        base_model=str(config.get("base_model_name_or_path") or ""), source="peft", path=path, partial=True)
     return weights, spec
 
 
@@ -399,27 +442,28 @@ def attach(model: nn.Module, spec: AdapterSpec, weights: dict[str, mx.array]) ->
     config = adapter_config(model, spec)
     _check_targets(model, spec, config.num_layers)
     model.freeze()
-    _apply_or_restore(model, config, 0, weights, source, spec.scale)
+    _apply_or_restore(model, config, 0, weights, source, spec.scale, spec.partial)
     return model
 
 
 def _apply_or_restore(model: nn.Module, config, seed: int, weights: dict[str, mx.array], source: str,
-                      scale: float | None = None) -> list[str]:
+                      scale: float | None = None, partial: bool = False) -> list[str]:
     """``lora.apply`` then load ``weights``; if they do not fit (a shape, a missing tensor),
     put the original layers back before raising, so a refused adapter leaves no trace.
 
-    A layer inside the span that holds no tensor at all (PEFT's ``layers_to_transform`` may
-    pick any layers, where mlx-lm's layout is the last N) keeps its fresh initialisation,
-    which changes nothing: ``lora_b`` starts at zero, and DoRA's magnitude at the weight's norm."""
+    With ``partial`` (PEFT's ``layers_to_transform`` may pick any layers, where mlx-lm's layout
+    is the last N, and its layers may adapt different modules), a module inside the span that
+    holds no tensor keeps its fresh initialisation, which changes nothing: ``lora_b`` starts
+    at zero, and DoRA's magnitude at the weight's norm."""
     layers = lora.selected_layers(model, config.num_layers)
     originals = [(layer, list(layer.named_modules())) for layer in layers]
     targets = lora.apply(model, config, seed)
     try:
         if scale is not None:
             set_scale(model, scale)  # exactly the stored scale, not alpha / rank recomputed
-        held = {match["layer"] for match in map(_ADAPTER_TENSOR.match, weights) if match}
+        held = {(match["layer"], match["module"]) for match in map(_ADAPTER_TENSOR.match, weights) if match}
         fresh = {name: value for name, value in checkpoint.trainable_weights(model).items()
-                 if held and (match := _ADAPTER_TENSOR.match(name)) and match["layer"] not in held}
+                 if partial and (match := _ADAPTER_TENSOR.match(name)) and (match["layer"], match["module"]) not in held}
         checkpoint.apply_adapter_weights(model, {**fresh, **weights}, source)
     except UserError:
         for layer, modules in originals:
@@ -489,7 +533,7 @@ def start_from(model: nn.Module, config, path, seed: int = 0) -> list[str]:
         raise UserError(f"{spec.path}: the adapter's scale is {spec.scale:g} (alpha {spec.alpha:g}) but the run's is "
                         f"{run_scale:g}; pass --alpha {spec.alpha!r}")
     _check_span(model, spec, config)
-    _apply_or_restore(model, config, seed, weights, str(spec.path))
+    _apply_or_restore(model, config, seed, weights, str(spec.path), partial=spec.partial)
     return targets
 
 
@@ -670,7 +714,11 @@ def peft_tensors(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 def peft_config(spec: AdapterSpec, base_model: str = "") -> dict:
     """PEFT's adapter_config.json for an adapter (plain LoRA scaling: lora_alpha = scale * r)."""
-    layers = None if not spec.layers or spec.first_layer == 0 else list(spec.layers)
+    # Omitted only where the tensors are known to cover every layer; else PEFT would adapt layers
+    # that hold none.
+    every_layer = (not spec.partial and spec.num_layers in (-1, len(spec.layers))
+                   and spec.layers == list(range(len(spec.layers))))
+    layers = None if not spec.layers or every_layer else list(spec.layers)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -745,6 +793,8 @@ def write_mlx(weights: dict[str, mx.array], spec: AdapterSpec, out: Path, base_m
                                            num_layers, spec.model_type, base_model or spec.base_model,
                                            base_quantization(spec))
     metadata["scale"] = repr(float(spec.scale))  # exactly the source's (alpha / rank may round)
+    if spec.partial:  # read back by mlxft (mlx-lm loads any adapter this way)
+        metadata["partial"] = "true"
     mx.save_safetensors(str(out / checkpoint.ADAPTER_FILE), weights, metadata=metadata)
     (out / checkpoint.ADAPTER_CONFIG).write_text(
         json.dumps(checkpoint.mlx_lm_adapter_config(metadata), indent=2, sort_keys=True) + "\n")

@@ -44,11 +44,12 @@ def export(adapter, fmt: str, out, *, model: str = "", overwrite: bool = False, 
     """Convert the adapter directory ``adapter`` into ``fmt`` under ``out``; return ``out``.
     ``say`` gets the note for an adapter trained on a base mlxft quantized on load (QLoRA),
     which neither mlx-lm nor PEFT does for it."""
-    from mlxft import adapters
+    from mlxft import adapters, models
     from mlxft.gguf import _check_destination, _write_atomically, check_output_apart
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    model = models.absolute_name(model or "")  # recorded: it must name the base from any directory
     out = Path(out).expanduser()
     weights, spec = adapters.load_adapter_dir(adapter)
     # The base is read for mlx-lm's layer count; --overwrite must not delete it either.

@@ -401,3 +401,84 @@ def test_init_adapter_from_a_qlora_run_keeps_training_over_the_quantized_base(ll
     float_run = synthetic_run(runs_root, llama_dir, "lora")
     plain = cfg.resolve(parser().parse_args(["--model", str(llama_dir), "--data", "d", "--init-adapter", str(float_run)]), None)
     assert plain.model.quantize == 0
+
+
+def _per_layer_peft(path):
+    """A PEFT adapter whose layers adapt different modules (q_proj in layer 0, v_proj in layer 1)."""
+    path.mkdir()
+    mx.random.seed(5)
+    w = {}
+    for i, (mod, out) in enumerate((("self_attn.q_proj", 64), ("self_attn.v_proj", 32))):
+        w[f"base_model.model.model.layers.{i}.{mod}.lora_A.weight"] = 0.1 * mx.random.normal((4, 64))
+        w[f"base_model.model.model.layers.{i}.{mod}.lora_B.weight"] = 0.1 * mx.random.normal((out, 4))
+    mx.save_safetensors(str(path / "adapter_model.safetensors"), w, metadata={"format": "pt"})
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
+    return path, w
+
+
+def test_a_peft_adapter_whose_layers_adapt_different_modules_loads_and_round_trips(llama_dir, tmp_path):
+    peft_dir, stored = _per_layer_peft(tmp_path / "peft")
+    loaded = adapters.load_with_adapter(str(llama_dir), str(peft_dir)).model
+    q0, v0, v1 = loaded.layers[0].self_attn.q_proj, loaded.layers[0].self_attn.v_proj, loaded.layers[1].self_attn.v_proj
+    key = "base_model.model.model.layers.{}.self_attn.{}.lora_B.weight"
+    np.testing.assert_array_equal(np.array(q0.lora_b), np.array(stored[key.format(0, "q_proj")].T))
+    np.testing.assert_array_equal(np.array(v1.lora_b), np.array(stored[key.format(1, "v_proj")].T))
+    assert not np.any(np.array(v0.lora_b))  # held by no tensor: a fresh adapter that changes nothing
+    expected = logits(loaded)
+    # Through mlx-lm's layout and back to PEFT's: the same model, and PEFT told the layers it holds.
+    mlx_dir = export(peft_dir, "mlx-lm", tmp_path / "mlx")
+    assert max_rel_diff(logits(adapters.load_with_adapter(str(llama_dir), str(mlx_dir)).model), expected) < 1e-6
+    again = export(mlx_dir, "peft", tmp_path / "peft-again")
+    assert json.loads((again / "adapter_config.json").read_text())["layers_to_transform"] == [0, 1]
+    assert max_rel_diff(logits(adapters.load_with_adapter(str(llama_dir), str(again)).model), expected) < 1e-6
+
+
+def test_a_peft_adapter_on_the_first_layer_exports_its_layer_list(tmp_path):
+    peft_dir = _peft_dir(tmp_path / "peft", 4, {"lora_alpha": 8}, layers=(0,))
+    out = export(peft_dir, "peft", tmp_path / "out")
+    assert json.loads((out / "adapter_config.json").read_text())["layers_to_transform"] == [0]  # was omitted: every layer
+
+
+def test_an_mlxft_adapter_missing_a_tensor_is_refused_not_filled(llama_dir, runs_root, tmp_path):
+    damaged = _copy(synthetic_run(runs_root, llama_dir, "lora"), tmp_path)
+    weights, metadata = checkpoint.load_adapter_weights(damaged / "adapters.safetensors")
+    dropped = sorted(k for k in weights if ".layers.1." in k)
+    mx.save_safetensors(str(damaged / "adapters.safetensors"), {k: v for k, v in weights.items() if k not in dropped},
+                        metadata=metadata)
+    weights, spec = adapters.load_adapter_dir(damaged)
+    with pytest.raises(UserError, match=r"no tensor for parameter model\.layers\.1\."):
+        adapters.attach(base_model(llama_dir), spec, weights)
+
+
+def test_an_adapter_config_that_disagrees_with_the_header_is_refused(llama_dir, runs_root, tmp_path):
+    edited = _copy(synthetic_run(runs_root, llama_dir, "lora"), tmp_path)
+    config = json.loads((edited / "adapter_config.json").read_text())
+    header = config["lora_parameters"]["scale"]
+    config["lora_parameters"]["scale"] = header * 2  # mlx-lm would load this one, mlxft the header's
+    (edited / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=rf"adapter_config.json: lora_parameters.scale is {header * 2!r} but "
+                                        rf"adapters.safetensors's header says {header!r}"):
+        adapters.load_adapter_dir(edited)
+
+
+@pytest.mark.parametrize("change,match", [({"alora_invocation_tokens": [5, 6]}, "'alora_invocation_tokens' is set"),
+                                          ({"layer_replication": [[0, 2], [1, 2]]}, "'layer_replication' is set"),
+                                          ({"lora_bias": True}, "'lora_bias' is set"),
+                                          ({"init_lora_weights": "pissa_niter_4"}, "changed the base's weights"),
+                                          ({"init_lora_weights": "olora"}, "changed the base's weights")])
+def test_peft_lora_variants_are_refused_not_loaded_as_plain_lora(tmp_path, change, match):
+    peft_dir = _peft_dir(tmp_path / "peft", 4, {"lora_alpha": 8, **change})
+    with pytest.raises(UserError, match=match):
+        adapters.load_adapter_dir(peft_dir)
+    plain = _peft_dir(tmp_path / "plain", 4, {"lora_alpha": 8, "alora_invocation_tokens": None, "lora_bias": False,
+                                              "init_lora_weights": "gaussian", "use_qalora": False})
+    adapters.load_adapter_dir(plain)
+
+
+def test_export_records_a_relative_base_path_as_absolute(llama_dir, runs_root, tmp_path, monkeypatch):
+    run = synthetic_run(runs_root, llama_dir, "lora")
+    shutil.copytree(llama_dir, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    out = export(run, "peft", tmp_path / "peft", model="base")
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
