@@ -47,6 +47,7 @@ _PEFT_PLAIN_FIELDS = {"task_type", "peft_type", "auto_mapping", "peft_version", 
                       "lora_ga_config", "qalora_group_size", "runtime_config", "ensure_weight_tying"}
 # Initialisations that change the base's weights too: the adapter fits that changed base.
 _PEFT_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+_PEFT_CONVERTIBLE_INITS = ("pissa", "olora", "corda", "lora_ga")  # PEFT rewrites these as LoRA of the unchanged base
 FINE_TUNE_TYPES = ("lora", "dora", "full")
 # Files a tokenizer is saved as; copied along so an exported adapter stays self-contained.
 TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*",
@@ -187,7 +188,7 @@ def _mlxft_spec(path: Path, meta: dict[str, str]) -> AdapterSpec:
             num_layers=int(meta["num_layers"]), model_type=meta.get("model_type", ""),
             base_model=meta.get("base_model", ""), source="mlxft", path=path,
             base_quantization=_base_quantization(meta.get("base_quantization"), where),
-            partial=meta.get("partial") == "true")
+            partial=_partial(path, meta))
     except KeyError as err:
         raise UserError(f"{where}: the header lacks the LoRA entry {err}; the file is damaged") from err
     except (ValueError, TypeError) as err:
@@ -212,6 +213,15 @@ def _check_config_agrees(path: Path, config: dict, spec: AdapterSpec) -> None:
             raise UserError(f"{path / checkpoint.ADAPTER_CONFIG}: {field} is {where[key]!r} but "
                             f"{checkpoint.ADAPTER_FILE}'s header says {header!r}; mlx-lm reads the first and mlxft the "
                             "second: edit one to match the other")
+
+
+def _partial(path: Path, meta: dict[str, str]) -> bool:
+    """Whether an mlxft adapter may lack tensors inside its span: one exported from PEFT says
+    so. Exports written before the header said either way may be such; a run's or a
+    checkpoint's own adapter (config.yaml beside it) never is."""
+    if "partial" in meta:
+        return meta["partial"] == "true"
+    return not any((path / name).is_file() for name in (checkpoint.CONFIG_FILE, checkpoint.TRAINER_STATE))
 
 
 def _base_quantization(value, where: Path) -> dict | None:
@@ -311,9 +321,11 @@ def _read_peft(path: Path) -> tuple[dict[str, mx.array], AdapterSpec]:
                         "rsLoRA and DoRA adapters can be loaded")
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_PEFT_BASE_CHANGING_INITS):
+        fix = ("save it with save_pretrained(..., path_initial_model_for_weight_conversion=...) to get a LoRA of "
+               "the unchanged base" if init.lower().startswith(_PEFT_CONVERTIBLE_INITS)
+               else "PEFT cannot convert it to a LoRA of the unchanged base")
         raise UserError(f"{where}: init_lora_weights {init!r} changed the base's weights as well, and the adapter "
-                        "fits only that changed base; save it with save_pretrained(..., "
-                        "path_initial_model_for_weight_conversion=...) to get a LoRA of the unchanged base")
+                        f"fits only that changed base; {fix}")
     if config.get("bias", "none") != "none":
         raise UserError(f"{where}: bias={config['bias']!r} trains biases; only bias='none' adapters can be loaded")
     if config.get("fan_in_fan_out"):
@@ -793,8 +805,7 @@ def write_mlx(weights: dict[str, mx.array], spec: AdapterSpec, out: Path, base_m
                                            num_layers, spec.model_type, base_model or spec.base_model,
                                            base_quantization(spec))
     metadata["scale"] = repr(float(spec.scale))  # exactly the source's (alpha / rank may round)
-    if spec.partial:  # read back by mlxft (mlx-lm loads any adapter this way)
-        metadata["partial"] = "true"
+    metadata["partial"] = "true" if spec.partial else "false"  # for mlxft; mlx-lm fills any gap this way
     mx.save_safetensors(str(out / checkpoint.ADAPTER_FILE), weights, metadata=metadata)
     (out / checkpoint.ADAPTER_CONFIG).write_text(
         json.dumps(checkpoint.mlx_lm_adapter_config(metadata), indent=2, sort_keys=True) + "\n")

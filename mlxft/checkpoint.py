@@ -460,16 +460,24 @@ def remove_partial_saves(run_dir: Path) -> list[Path]:
     return doomed
 
 
-# A checkpoint moved aside by replace_directory (``.X.*.old/X``) or the hard-linked copy
-# _hold_latest points ``latest`` at while X is swapped (``.X.*.old`` itself).
-_SWAPPED = re.compile(r"^\.(checkpoint-\d+(?:-emergency)?|final)\.[^.]+\.old$")
+# A checkpoint moved aside by replace_directory (``.X.<mkdtemp's 8 characters>.old/X``) or the
+# hard-linked copy _hold_latest points ``latest`` at while X is swapped (``.X.*.old`` itself).
+_SWAPPED = re.compile(r"^\.(checkpoint-\d+(?:-emergency)?|final)\.[a-z0-9_]{8}\.old$")
+_CHECKPOINT_FILES = {ADAPTER_FILE, ADAPTER_CONFIG, OPTIMIZER_FILE, WINDOW_FILE, CONFIG_FILE, TRAINER_STATE}
+
+
+def _holds_checkpoint_files(directory: Path) -> bool:
+    """Whether ``directory`` holds a checkpoint's files and nothing else (perhaps not all of
+    them: a copy a kill cut short), so deleting it cannot delete anything of a user's."""
+    return all(p.name in _CHECKPOINT_FILES and p.is_file() and not p.is_symlink() for p in directory.iterdir())
 
 
 def recover_swaps(run_dir: Path) -> list[str]:
     """Finish what a kill in the middle of swapping a checkpoint left: put a checkpoint that
     was moved aside back when its replacement never arrived, point ``latest`` from a held copy
     back at the checkpoint's own name, and delete the hidden copies ``latest`` no longer
-    needs. Returns the names put back."""
+    needs. A directory of such a name holding anything but a checkpoint's files is left
+    alone. Returns the names put back."""
     run_dir = Path(run_dir)
     link = run_dir / LATEST
 
@@ -480,14 +488,19 @@ def recover_swaps(run_dir: Path) -> list[str]:
               if _SWAPPED.match(p.name) and p.is_dir() and not p.is_symlink()]
     restored = []
     for aside, name in hidden:  # first: a held copy is let go only once its checkpoint is back
-        if (aside / name).is_dir() and not (run_dir / name).exists() and not (run_dir / name).is_symlink():
-            os.replace(aside / name, run_dir / name)
+        moved = aside / name
+        if ([p.name for p in aside.iterdir()] == [name] and _checkpoint_state(moved) is not None
+                and not (run_dir / name).exists() and not (run_dir / name).is_symlink()):
+            os.replace(moved, run_dir / name)
             _fsync_dir(run_dir)
             restored.append(name)
     for copy, name in hidden:
         if latest_in(copy) and _checkpoint_state(run_dir / name) is not None:
             _point_latest(run_dir, name)
-        if not latest_in(copy):
+        leftover = _holds_checkpoint_files(copy) or ([p.name for p in copy.iterdir()] == [name] and (copy / name).is_dir()
+                                                     and not (copy / name).is_symlink()
+                                                     and _holds_checkpoint_files(copy / name))
+        if leftover and not latest_in(copy):
             shutil.rmtree(copy, ignore_errors=True)
     return restored
 

@@ -47,19 +47,23 @@ class RunLock:
             os.close(entry[0])
 
 
-def acquire(run_dir: Path) -> RunLock | None:
+def acquire(run_dir: Path, create: bool = True) -> RunLock | None:
     """Lock ``run_dir`` (which exists) for this process, or raise UserError naming the run
-    that holds it. None where the platform or file system offers no lock."""
+    that holds it. None where the platform or file system offers no lock, or where ``create``
+    is False and no run has made the lock file (a directory that is not a run's stays as it is)."""
     run_dir = Path(run_dir)
     key = str(run_dir.resolve())
     if key in _held:
         _held[key][1] += 1
         return RunLock(key)
-    if fcntl is None:
-        return None
     path = run_dir / LOCK_FILE
+    if fcntl is None or not (create or path.is_file()):
+        return None
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o664)
+        except PermissionError:  # another user's lock file in a shared directory: flock needs no write access
+            fd = os.open(path, os.O_RDONLY)
     except OSError as err:
         raise UserError(f"cannot update {run_dir}: {err.strerror or err}; make it writable or choose "
                         "another --output-dir") from err

@@ -175,6 +175,15 @@ class Trainer:
 
     def __init__(self, config: RunConfig, model=None, tokenizer=None, reporter: Reporter | None = None,
                  world: distributed.World | None = None, datasets: tuple | None = None):
+        self.lock: runlock.RunLock | None = None  # rank 0's hold on run_dir (see mlxft.runlock)
+        try:
+            self._build(config, model, tokenizer, reporter, world, datasets)
+        except BaseException:  # a refused run (or Ctrl-C) leaves the directory free at once, not when collected
+            self.release()
+            raise
+
+    def _build(self, config: RunConfig, model, tokenizer, reporter: Reporter | None, world: distributed.World | None,
+               datasets: tuple | None) -> None:
         _check_arguments(config, model, tokenizer, datasets)
         validate(config, model_given=model is not None, data_given=datasets is not None)
         self.config = config
@@ -190,6 +199,12 @@ class Trainer:
             raise UserError(f"config field train.batch_size: {t.batch_size} rows cannot be split evenly over "
                             f"{self.world.size} ranks; use a multiple of {self.world.size}")
         self.run_dir = Path(t.output_dir).expanduser()  # as --model and --init-adapter are
+        if self.world.is_main and self.run_dir.is_dir():
+            # Before reading `latest` or changing a model passed in: another process may be
+            # training here, and a run killed while swapping a checkpoint may have hidden it.
+            self._hold_run_dir(create=False)
+            with self._updating_run_dir():
+                checkpoint.recover_swaps(self.run_dir)
         resume_from = checkpoint.resolve_checkpoint(t.resume, self.run_dir) if t.resume else None
         check_output_dir(self.run_dir, t.overwrite, resume_from, self.world.is_main)
         if datasets is None:
@@ -316,17 +331,14 @@ class Trainer:
             grads, loss_sum, tokens = self.window
             self.window = (gradient_window(grads, self.layout), loss_sum, tokens)
         dropped, left = 0, None  # metrics.jsonl records of steps this resumed run trains again; what latest named
-        self.lock: runlock.RunLock | None = None  # rank 0's hold on run_dir (see mlxft.runlock)
         if self.world.is_main:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:  # permissions, a read-only disk, a parent that is a file
                 raise UserError(f"cannot create --output-dir {self.run_dir}: {err.strerror or err}; choose "
                                 "a directory you can write to") from err
-            # Before anything here changes: another process may be training into it.
-            self._hold_run_dir()
-            try:
-                checkpoint.recover_swaps(self.run_dir)  # a run killed while replacing a checkpoint
+            self._hold_run_dir()  # a directory this run created, unless another process just did
+            with self._updating_run_dir():
                 checkpoint.remove_partial_saves(self.run_dir)  # a killed run's; this run's saves start clean
                 if continues_in(self.run_dir, resume_from):
                     left = checkpoint.rewind_latest(self.run_dir, resume_from)  # before its steps' metrics go
@@ -335,10 +347,6 @@ class Trainer:
                     if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
                         checkpoint.remove_checkpoints(self.run_dir)
                     checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
-            except OSError as err:  # a read-only or full disk under a directory that exists
-                self.release()
-                raise UserError(f"cannot update {self.run_dir}: {err.strerror or err}; make it writable or free "
-                                "disk space") from err
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
         self.reporter.on_stream_lost = self._output_lost
         if saved is not None:
@@ -473,12 +481,21 @@ class Trainer:
             self.model.train(was_training)
             self.release()
 
-    def _hold_run_dir(self) -> None:
+    def _hold_run_dir(self, create: bool = True) -> None:
         """Rank 0 locks the output directory against other processes (see :mod:`mlxft.runlock`)."""
         if self.world.is_main and self.lock is None:
-            self.lock = runlock.acquire(self.run_dir)
+            self.lock = runlock.acquire(self.run_dir, create)
             if self.lock is not None:  # a Trainer dropped without training lets the directory go
                 weakref.finalize(self, self.lock.release)
+
+    @contextlib.contextmanager
+    def _updating_run_dir(self):
+        """An OSError while changing the output directory (a read-only or full disk) as one line."""
+        try:
+            yield
+        except OSError as err:
+            raise UserError(f"cannot update {self.run_dir}: {err.strerror or err}; make it writable or free "
+                            "disk space") from err
 
     def release(self) -> None:
         """Let other processes train into the output directory; :meth:`train` takes it again."""

@@ -482,3 +482,13 @@ def test_export_records_a_relative_base_path_as_absolute(llama_dir, runs_root, t
     monkeypatch.chdir(tmp_path)
     out = export(run, "peft", tmp_path / "peft", model="base")
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
+
+
+def test_an_export_from_before_the_header_said_partial_still_loads(llama_dir, tmp_path):
+    peft_dir = _peft_dir(tmp_path / "peft", 4, {"lora_alpha": 8}, layers=(0,))
+    out = export(peft_dir, "mlx-lm", tmp_path / "mlx", model=str(llama_dir))
+    expected = logits(adapters.load_with_adapter(str(llama_dir), str(out)).model)
+    weights, metadata = checkpoint.load_adapter_weights(out / "adapters.safetensors")
+    assert metadata.pop("partial") == "true"  # as earlier versions wrote it: without the entry
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights, metadata=metadata)
+    assert max_rel_diff(logits(adapters.load_with_adapter(str(llama_dir), str(out)).model), expected) < 1e-6

@@ -63,7 +63,8 @@ def tiny_checkpoint(run_dir, name="checkpoint-2", run_id="run-a", step=2):
 
 
 def files(directory):
-    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+    """Every file's bytes but the run lock's, which holds the pid of the last run that took it."""
+    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file() and p.name != ".mlxft.lock"}
 
 
 def stop_after(trainer, micro_batches):
@@ -614,7 +615,7 @@ def test_full_disk_during_a_save_keeps_earlier_checkpoints(llama_dir, uninterrup
     out = tmp_path / "run"
     trainer = Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2, save_every=0))
     trainer.train()
-    snapshot = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    snapshot = files(out)
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -624,7 +625,7 @@ def test_full_disk_during_a_save_keeps_earlier_checkpoints(llama_dir, uninterrup
         trainer.save_checkpoint("step")
     with pytest.raises(UserError, match="No space left on device"):
         trainer.save()
-    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
+    assert files(out) == snapshot
     assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".mlxft.lock"]
 
     # A disk with no room for even the temporary directory (out of inodes) is the same error.
@@ -635,7 +636,7 @@ def test_full_disk_during_a_save_keeps_earlier_checkpoints(llama_dir, uninterrup
         trainer.save_checkpoint("emergency")
     with pytest.raises(UserError, match="No space left on device"):
         checkpoint.save_tokenizer(out, trainer.tokenizer)
-    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
+    assert files(out) == snapshot
 
 
 # ----------------------------------------------------------------------------- processes
@@ -888,11 +889,11 @@ def test_corrupt_checkpoint_and_model_are_one_line_errors(llama_dir, uninterrupt
     Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2)).train()
     adapters = out / "final" / "adapters.safetensors"
     adapters.write_bytes(adapters.read_bytes()[: adapters.stat().st_size // 2])
-    snapshot = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    snapshot = files(out)
     proc = subprocess.run([sys.executable, "-m", "mlxft.train", "--model", llama_dir, "--data", uninterrupted[0],
                            "--output-dir", out, "--resume", out / "final"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "may be truncated" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
+    assert files(out) == snapshot
 
     broken = tmp_path / "model"
     broken.mkdir()
@@ -919,7 +920,7 @@ def test_corrupt_checkpoint_and_model_are_one_line_errors(llama_dir, uninterrupt
 def test_bad_data_leaves_an_existing_run_byte_identical(llama_dir, uninterrupted, tmp_path, content, message):
     out = tmp_path / "run"
     Trainer(config(llama_dir, uninterrupted[0], out, max_steps=1)).train()
-    snapshot = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    snapshot = files(out)
     bad = tmp_path / "bad" / "train.jsonl"
     bad.parent.mkdir()
     bad.write_text(content)
@@ -928,7 +929,7 @@ def test_bad_data_leaves_an_existing_run_byte_identical(llama_dir, uninterrupted
                                "--output-dir", out, *extra], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
-        assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
+        assert files(out) == snapshot
 
 
 def test_a_second_signal_exits_at_once():
@@ -1061,3 +1062,105 @@ def test_a_checkpoint_file_that_is_not_utf8_is_a_one_line_error(tmp_path, name):
     (path / name).write_bytes(b"\xff\xfe{}")
     with pytest.raises(UserError, match=f"checkpoint {path} is unreadable"):
         checkpoint.load_checkpoint(path)
+
+
+def _hold_in_another_process(run_dir):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from mlxft import runlock; runlock.acquire(sys.argv[1]); "
+                               "print('held', flush=True); sys.stdin.read()", str(run_dir)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def _free_for_another_process(run_dir) -> bool:
+    code = "import sys; from mlxft import runlock; runlock.acquire(sys.argv[1])"
+    return subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True).returncode == 0
+
+
+def test_a_directory_in_use_refuses_before_a_model_passed_in_changes(llama_dir, uninterrupted, tmp_path):
+    from mlx_lm import load
+    from mlx_lm.tuner.lora import LoRALinear
+
+    out = tmp_path / "run"
+    out.mkdir()
+    model, tokenizer = load(str(llama_dir))
+    holder = _hold_in_another_process(out)
+    try:
+        with pytest.raises(UserError, match=f"in use by another run \\(pid {holder.pid}\\)"):
+            Trainer(config(llama_dir, uninterrupted[0], out, max_steps=1), model, tokenizer)
+        assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=1), model, tokenizer).train()  # the retry works
+
+
+def test_a_refused_trainer_lets_the_directory_go_at_once(llama_dir, uninterrupted, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2)).train()
+    kept = []  # a notebook keeps the failed call's traceback, and with it the half-built Trainer
+    try:
+        Trainer(config(llama_dir, uninterrupted[0], out, max_steps=1, resume="latest"))
+    except UserError as err:
+        kept.append(err)
+    assert "past this run's 1 steps" in str(kept[-1]) and _free_for_another_process(out)
+
+    def interrupted(self):  # Ctrl-C while the run describes itself, the directory set up
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "_describe", interrupted)
+    try:
+        Trainer(config(llama_dir, uninterrupted[0], out, max_steps=3, resume="latest"))
+    except KeyboardInterrupt as err:
+        kept.append(err)
+    monkeypatch.undo()
+    assert len(kept) == 2 and _free_for_another_process(out)
+    trainer = Trainer(config(llama_dir, uninterrupted[0], out, max_steps=3, resume="latest"))
+    assert not _free_for_another_process(out)  # built, not yet trained: the directory is this process's
+    trainer.train()
+    assert _free_for_another_process(out)
+
+
+def test_a_lock_file_of_another_user_is_opened_read_only(tmp_path, monkeypatch):
+    from mlxft import runlock
+
+    real_open = os.open
+
+    def others_file(path, flags, *mode):  # what a 0644 file of another user gives (root is never refused)
+        if flags & os.O_RDWR:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, flags, *mode)
+
+    (tmp_path / runlock.LOCK_FILE).write_text("")
+    monkeypatch.setattr(os, "open", others_file)
+    lock = runlock.acquire(tmp_path)
+    monkeypatch.undo()
+    assert lock is not None and not _free_for_another_process(tmp_path)
+    lock.release()
+    assert _free_for_another_process(tmp_path)
+
+
+def test_resume_latest_after_a_kill_mid_swap_finds_the_checkpoint_put_back(llama_dir, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2)).train()
+    before = files(out / "final")
+    checkpoint._hold_latest(out, out / "final")  # re-saving final, killed between the swap's two renames:
+    aside = Path(tempfile.mkdtemp(prefix=".final.", suffix=".old", dir=out))
+    os.replace(out / "final", aside / "final")  # latest names the held copy, final is hidden
+    trainer = Trainer(config(llama_dir, uninterrupted[0], out, max_steps=3, resume="latest"))
+    assert checkpoint.resolve_checkpoint("latest", out) == (out / "final").resolve()
+    assert files(out / "final") == before and not [p for p in out.iterdir() if p.name.endswith(".old")]
+    assert trainer.train().steps == 3
+
+
+def test_recovery_leaves_directories_that_are_not_a_swaps_alone(tmp_path):
+    tiny_checkpoint(tmp_path, "final", step=3)
+    mine = [".final.notes123.old", ".final.v1.old", ".checkpoint-2.abcdefgh.old"]
+    for name in mine:
+        (tmp_path / name).mkdir()
+    (tmp_path / ".final.notes123.old" / "notes.txt").write_text("mine")
+    (tmp_path / ".final.v1.old" / "adapters.safetensors").write_text("mine")  # not mkdtemp's name
+    (tmp_path / ".checkpoint-2.abcdefgh.old" / "checkpoint-2").mkdir()
+    (tmp_path / ".checkpoint-2.abcdefgh.old" / "checkpoint-2" / "notes.txt").write_text("mine")
+    assert checkpoint.recover_swaps(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted(mine)
