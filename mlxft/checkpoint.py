@@ -126,6 +126,7 @@ def adapter_metadata(fine_tune_type: str, rank: int, alpha: float, dropout: floa
     quantization = {"base_quantization": json.dumps(base_quantization, sort_keys=True)} if base_quantization else {}
     return {**quantization,
         "format": FORMAT,
+        "partial": "false",  # every tensor of the span is here (see mlxft.adapters.AdapterSpec.partial)
         "fine_tune_type": fine_tune_type,
         "rank": str(rank),
         "alpha": repr(float(alpha)),
@@ -469,7 +470,10 @@ _CHECKPOINT_FILES = {ADAPTER_FILE, ADAPTER_CONFIG, OPTIMIZER_FILE, WINDOW_FILE, 
 def _holds_checkpoint_files(directory: Path) -> bool:
     """Whether ``directory`` holds a checkpoint's files and nothing else (perhaps not all of
     them: a copy a kill cut short), so deleting it cannot delete anything of a user's."""
-    return all(p.name in _CHECKPOINT_FILES and p.is_file() and not p.is_symlink() for p in directory.iterdir())
+    try:
+        return all(p.name in _CHECKPOINT_FILES and p.is_file() and not p.is_symlink() for p in directory.iterdir())
+    except OSError:  # another user's, unreadable: not this run's to delete
+        return False
 
 
 def recover_swaps(run_dir: Path) -> list[str]:
@@ -485,7 +489,7 @@ def recover_swaps(run_dir: Path) -> list[str]:
         return link.is_symlink() and link.resolve() == hidden.resolve()
 
     hidden = [(p, _SWAPPED.match(p.name).group(1)) for p in sorted(run_dir.iterdir())
-              if _SWAPPED.match(p.name) and p.is_dir() and not p.is_symlink()]
+              if _SWAPPED.match(p.name) and p.is_dir() and not p.is_symlink() and os.access(p, os.R_OK | os.X_OK)]
     restored = []
     for aside, name in hidden:  # first: a held copy is let go only once its checkpoint is back
         moved = aside / name

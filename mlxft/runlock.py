@@ -47,6 +47,17 @@ class RunLock:
             os.close(entry[0])
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a holder that opened the file read-only left an older run's pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 def acquire(run_dir: Path, create: bool = True) -> RunLock | None:
     """Lock ``run_dir`` (which exists) for this process, or raise UserError naming the run
     that holds it. None where the platform or file system offers no lock, or where ``create``
@@ -63,6 +74,8 @@ def acquire(run_dir: Path, create: bool = True) -> RunLock | None:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o664)
         except PermissionError:  # another user's lock file in a shared directory: flock needs no write access
+            if not path.is_file():
+                raise
             fd = os.open(path, os.O_RDONLY)
     except OSError as err:
         raise UserError(f"cannot update {run_dir}: {err.strerror or err}; make it writable or choose "
@@ -73,7 +86,7 @@ def acquire(run_dir: Path, create: bool = True) -> RunLock | None:
         owner = os.read(fd, 32).decode("ascii", "replace").strip()
         os.close(fd)
         raise UserError(f"output directory {run_dir} is in use by another run"
-                        + (f" (pid {owner})" if owner.isdigit() else "")
+                        + (f" (pid {owner})" if owner.isdigit() and _alive(int(owner)) else "")
                         + "; wait for it to finish or choose another --output-dir") from None
     except OSError:  # a file system without flock (some network mounts): run unguarded, as before
         os.close(fd)

@@ -199,12 +199,18 @@ class Trainer:
             raise UserError(f"config field train.batch_size: {t.batch_size} rows cannot be split evenly over "
                             f"{self.world.size} ranks; use a multiple of {self.world.size}")
         self.run_dir = Path(t.output_dir).expanduser()  # as --model and --init-adapter are
+        refusal = None
         if self.world.is_main and self.run_dir.is_dir():
             # Before reading `latest` or changing a model passed in: another process may be
             # training here, and a run killed while swapping a checkpoint may have hidden it.
-            self._hold_run_dir(create=False)
-            with self._updating_run_dir():
-                checkpoint.recover_swaps(self.run_dir)
+            try:
+                self._hold_run_dir(create=False)
+                with self._updating_run_dir():
+                    checkpoint.recover_swaps(self.run_dir)
+            except UserError as err:
+                refusal = err
+        if self.world.any(refusal is not None):  # the other ranks read `latest` once rank 0 has put it right
+            raise refusal or UserError(f"rank 0 cannot use --output-dir {self.run_dir}; see its message")
         resume_from = checkpoint.resolve_checkpoint(t.resume, self.run_dir) if t.resume else None
         check_output_dir(self.run_dir, t.overwrite, resume_from, self.world.is_main)
         if datasets is None:

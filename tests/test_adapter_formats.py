@@ -449,6 +449,13 @@ def test_an_mlxft_adapter_missing_a_tensor_is_refused_not_filled(llama_dir, runs
     weights, spec = adapters.load_adapter_dir(damaged)
     with pytest.raises(UserError, match=r"no tensor for parameter model\.layers\.1\."):
         adapters.attach(base_model(llama_dir), spec, weights)
+    copied = tmp_path / "copied"  # the two files mlx-lm needs, taken out of the run
+    copied.mkdir()
+    for name in ("adapters.safetensors", "adapter_config.json"):
+        shutil.copy(damaged / name, copied / name)
+    weights, spec = adapters.load_adapter_dir(copied)
+    with pytest.raises(UserError, match=r"no tensor for parameter model\.layers\.1\."):
+        adapters.attach(base_model(llama_dir), spec, weights)
 
 
 def test_an_adapter_config_that_disagrees_with_the_header_is_refused(llama_dir, runs_root, tmp_path):

@@ -1164,3 +1164,31 @@ def test_recovery_leaves_directories_that_are_not_a_swaps_alone(tmp_path):
     (tmp_path / ".checkpoint-2.abcdefgh.old" / "checkpoint-2" / "notes.txt").write_text("mine")
     assert checkpoint.recover_swaps(tmp_path) == []
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted(mine)
+
+
+def test_a_directory_without_write_access_says_so_and_a_dead_holders_pid_is_not_named(tmp_path, monkeypatch):
+    from mlxft import runlock
+
+    real_open = os.open
+
+    def no_write_access(path, flags, *mode):
+        if flags & (os.O_RDWR | os.O_CREAT):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, flags, *mode)
+
+    monkeypatch.setattr(os, "open", no_write_access)
+    with pytest.raises(UserError, match=f"cannot update {tmp_path}: Permission denied"):
+        runlock.acquire(tmp_path)  # no lock file to open read-only: the directory's own error
+    monkeypatch.undo()
+    holder = _hold_in_another_process(tmp_path)
+    try:
+        (tmp_path / runlock.LOCK_FILE).write_text(f"{holder.pid}\n")
+        with pytest.raises(UserError, match=f"in use by another run \\(pid {holder.pid}\\);"):
+            runlock.acquire(tmp_path)
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        (tmp_path / runlock.LOCK_FILE).write_text(dead.stdout)  # what a holder that could not write leaves
+        with pytest.raises(UserError, match="in use by another run; wait for it"):
+            runlock.acquire(tmp_path)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
