@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -121,7 +122,13 @@ def test_interrupted_distributed_run_resumes_exactly(llama_dir, uneven_data, tmp
     results = launch(tmp_path, train_args(llama_dir, uneven_data, part, *base), on_line=interrupt_rank_1)
     assert [r[0] for r in results] == [128 + signal.SIGTERM] * 2, [r[2][-500:] for r in results]
     assert "stopped by SIGTERM" in results[0][2] and "stopped by" not in results[1][2]  # rank 0 says it for both
-    assert (part / "latest").resolve().name.endswith("-emergency")
+    emergency = (part / "latest").resolve()
+    assert emergency.name.endswith("-emergency")
+    # Killed while saving it again, between the swap's two renames: latest names a hidden copy
+    # and the checkpoint itself is hidden. No rank may read latest before rank 0 has put it right.
+    checkpoint._hold_latest(part, emergency)
+    aside = Path(tempfile.mkdtemp(prefix=f".{emergency.name}.", suffix=".old", dir=part))
+    os.replace(emergency, aside / emergency.name)
     results = launch(tmp_path, train_args(llama_dir, uneven_data, part, *base, "--resume", "latest"))
     assert [r[0] for r in results] == [0, 0], [r[2][-500:] for r in results]
     expected, got = adapters(full), adapters(part)
