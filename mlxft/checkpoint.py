@@ -476,6 +476,13 @@ def _holds_checkpoint_files(directory: Path) -> bool:
         return False
 
 
+def _moved_aside(hidden: Path, name: str) -> Path | None:
+    """``hidden/name`` where ``hidden`` holds that one directory and nothing else: a checkpoint
+    replace_directory moved aside (or the empty place it left once put back: None)."""
+    moved = hidden / name
+    return moved if [p.name for p in hidden.iterdir()] == [name] and moved.is_dir() and not moved.is_symlink() else None
+
+
 def recover_swaps(run_dir: Path) -> list[str]:
     """Finish what a kill in the middle of swapping a checkpoint left: put a checkpoint that
     was moved aside back when its replacement never arrived, point ``latest`` from a held copy
@@ -492,8 +499,8 @@ def recover_swaps(run_dir: Path) -> list[str]:
               if _SWAPPED.match(p.name) and p.is_dir() and not p.is_symlink() and os.access(p, os.R_OK | os.X_OK)]
     restored = []
     for aside, name in hidden:  # first: a held copy is let go only once its checkpoint is back
-        moved = aside / name
-        if ([p.name for p in aside.iterdir()] == [name] and _checkpoint_state(moved) is not None
+        moved = _moved_aside(aside, name)
+        if (moved is not None and _checkpoint_state(moved) is not None
                 and not (run_dir / name).exists() and not (run_dir / name).is_symlink()):
             os.replace(moved, run_dir / name)
             _fsync_dir(run_dir)
@@ -501,9 +508,8 @@ def recover_swaps(run_dir: Path) -> list[str]:
     for copy, name in hidden:
         if latest_in(copy) and _checkpoint_state(run_dir / name) is not None:
             _point_latest(run_dir, name)
-        leftover = _holds_checkpoint_files(copy) or ([p.name for p in copy.iterdir()] == [name] and (copy / name).is_dir()
-                                                     and not (copy / name).is_symlink()
-                                                     and _holds_checkpoint_files(copy / name))
+        moved = _moved_aside(copy, name)
+        leftover = _holds_checkpoint_files(copy) or (moved is not None and _holds_checkpoint_files(moved))
         if leftover and not latest_in(copy):
             shutil.rmtree(copy, ignore_errors=True)
     return restored
