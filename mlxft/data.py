@@ -410,6 +410,79 @@ def _find(full: str, content: str, cursor: int, end_of_turn: str, repeated: bool
     return None
 
 
+# Private-use characters, which no chat template writes, around a message's index: a mark
+# stands for a content in a rendering of the chat's structure.
+_MARK = re.compile("\ue000[0-9]+[ra]?\ue001")
+_THINK_PARTS = re.compile(r"^(\s*<think>)(.*?)(</think>)(.*)$", re.S)
+
+
+def _mark(text: str, key: str, cores: dict[str, str]) -> str:
+    """``text`` with its core (the text inside its outer whitespace) replaced by a mark, so a
+    template that trims renders the mark where it would have rendered the core."""
+    core = text.strip()
+    if not core:
+        return text
+    mark = f"\ue000{key}\ue001"
+    cores[mark] = core
+    return text[: len(text) - len(text.lstrip())] + mark + text[len(text.rstrip()):]
+
+
+def _marked_content(content: str, index: int, cores: dict[str, str]) -> str:
+    """A content with marks for its answer and its leading reasoning block's text, keeping the
+    ``<think>`` tags a template looks for."""
+    parts = _THINK_PARTS.match(content)
+    if parts is None:
+        return _mark(content, str(index), cores)
+    head, reasoning, close, answer = parts.groups()
+    return head + _mark(reasoning, f"{index}r", cores) + close + _mark(answer, f"{index}a", cores)
+
+
+def _marked_spans(tokenizer, messages: list, full: str, where: str, tools: list | None) -> list[tuple[int, int]] | None:
+    """Assistant spans found on a rendering with every content replaced by a unique mark.
+
+    A content search on the chat itself can match a short content inside template text: a
+    tool's "5" inside the tool call's arguments {"x": -5} before it, a later turn's equal
+    answer. Marks match only where their content was rendered. The spans carry over when the
+    marks, replaced by the contents, give the chat's own rendering to the character (the
+    template copied every content as it is, or trimmed); else None.
+    """
+    if "\ue000" in full or "\ue001" in full:
+        return None
+    cores: dict[str, str] = {}
+    marked = [dict(m, content=_marked_content(m["content"], i, cores)) for i, m in enumerate(messages)]
+    try:
+        skeleton = _render(tokenizer, marked, False, tools)
+    except Exception:  # a template that rejects the marked chat: search the contents themselves
+        return None
+    marks = _MARK.findall(skeleton)
+    if len(set(marks)) != len(marks) or any(mark not in cores for mark in marks):
+        return None
+    if _MARK.sub(lambda found: cores[found.group()], skeleton) != full:
+        return None
+    shifts = []  # each mark's place in the skeleton, and how far the contents up to its end move the text
+    moved = 0
+    for found in _MARK.finditer(skeleton):
+        moved += len(cores[found.group()]) - len(found.group())
+        shifts.append((found.start(), found.end(), moved))
+
+    def real(at: int) -> int | None:
+        """A skeleton offset in the chat's rendering; None inside a mark."""
+        shift = 0
+        for start, end, total in shifts:
+            if at <= start:
+                break
+            if at < end:
+                return None
+            shift = total
+        return at + shift
+
+    try:
+        spans = [(real(start), real(end)) for start, end in _content_spans(tokenizer, marked, skeleton, where)]
+    except UserError:  # a content the template left out: the search on the chat itself says so
+        return None
+    return None if any(None in span for span in spans) else spans
+
+
 def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tuple[int, int]]:
     """Assistant spans for templates that rewrite earlier turns (e.g. dropping reasoning).
 
@@ -494,7 +567,11 @@ def encode_chat(tokenizer, messages: list, completion_only: bool, where: str,
         full = _render(tokenizer, messages, False, tools)
     except Exception as err:  # jinja raises its own exception types for template errors
         raise UserError(f"{where}: the chat template rejected these messages ({first_line(err)})") from err
-    spans = _incremental_spans(tokenizer, messages, full, tools) or _content_spans(tokenizer, messages, full, where)
+    spans = _incremental_spans(tokenizer, messages, full, tools)
+    if spans is None:
+        spans = _marked_spans(tokenizer, messages, full, where, tools)
+    if spans is None:
+        spans = _content_spans(tokenizer, messages, full, where)
     segments: list[tuple[str, bool]] = []
     done = 0
     for start, end in spans:

@@ -403,3 +403,61 @@ def test_an_answer_that_repeats_an_earlier_tool_turn_is_found_in_its_own_turn(to
     spans = [tokenizer.decode([i for i, _ in group])
              for flag, group in itertools.groupby(zip(ids, mask), key=lambda pair: pair[1]) if flag]
     assert spans == [(content + "\n" if content else "") + TOOL_CALL_TEXT, answer + "<|im_end|>\n"]
+
+
+ABS_CALL = [{"type": "function", "function": {"name": "abs", "arguments": {"x": -5}}}]
+ABS_CALL_TEXT = '<tool_call>\n{"name": "abs", "arguments": {"x": -5}}\n</tool_call><|im_end|>\n'
+
+
+@pytest.mark.parametrize("content", ["", "Let me compute."])
+def test_a_tool_result_inside_the_calls_arguments_leaves_the_call_supervised(tokenizer, content):
+    # Found by searching the rendering, the tool's "5" matched inside {"x": -5} before its own
+    # turn: the call and its end of turn lost their supervision, silently.
+    messages = [{"role": "user", "content": "What is |-5|?"},
+                {"role": "assistant", "content": content, "tool_calls": ABS_CALL},
+                {"role": "tool", "content": "5"},
+                {"role": "assistant", "content": "The answer is five."}]
+    ids, mask = encode_chat(tokenizer, messages, True, "test")
+    assert supervised_spans(tokenizer, ids, mask) == [(content + "\n" if content else "") + ABS_CALL_TEXT,
+                                                      "The answer is five.<|im_end|>\n"]
+
+
+def test_a_later_turn_ending_in_a_tool_result_is_neither_refused_nor_supervised_for_it(tokenizer, tmp_path):
+    # "22" followed by the end of a turn first occurs at the end of the answer "It is 22", so the
+    # tool result was placed there and the answer then refused as missing from the rendering;
+    # with a later user turn repeating the answer, the user's words were supervised instead.
+    messages = [{"role": "user", "content": "Temperature in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": TOOL_CALL},
+                {"role": "tool", "content": "22"},
+                {"role": "assistant", "content": "It is 22"}]
+    path = tmp_path / "train.jsonl"
+    write_jsonl(path, [{"messages": messages}])
+    example = load_dataset(path, tokenizer, 4096).examples[0]
+    assert supervised_spans(tokenizer, example.ids.tolist(), example.mask.tolist()) == [
+        TOOL_CALL_TEXT, "It is 22<|im_end|>\n"]
+    longer = messages[:2] + [{"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "ok"},
+                             {"role": "user", "content": "Repeat: It is sunny"},
+                             {"role": "assistant", "content": "It is sunny"}]
+    ids, mask = encode_chat(tokenizer, longer, True, "test")
+    assert supervised_spans(tokenizer, ids, mask) == [TOOL_CALL_TEXT, "ok<|im_end|>\n", "It is sunny<|im_end|>\n"]
+
+
+def test_a_user_turn_repeating_an_earlier_answer_is_not_supervised(tokenizer):
+    # Qwen3 drops an earlier answer's reasoning, so the answer as written first appeared in the
+    # user turn that quotes it, and that user turn was trained as the answer.
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r</think>a"},
+                {"role": "user", "content": "<think>r</think>a"}, {"role": "assistant", "content": "22"}]
+    ids, mask = encode_chat(tokenizer, messages, True, "test")
+    assert supervised_spans(tokenizer, ids, mask) == ["a<|im_end|>\n", "22<|im_end|>\n"]
+
+
+def test_text_that_looks_like_a_content_mark_is_left_alone(tokenizer):
+    # Contents are found through marks of private-use characters in a second rendering; a
+    # tool call whose arguments spell such a mark must not be taken for one.
+    call = [{"type": "function", "function": {"name": "f", "arguments": {"x": "\ue0003\ue001 \ue0002\ue001"}}}]
+    messages = [{"role": "user", "content": "q \ue000"}, {"role": "assistant", "content": "", "tool_calls": call},
+                {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "s"}]
+    ids, mask = encode_chat(tokenizer, messages, True, "test")
+    assert supervised_spans(tokenizer, ids, mask) == [
+        '<tool_call>\n{"name": "f", "arguments": {"x": "\ue0003\ue001 \ue0002\ue001"}}\n</tool_call><|im_end|>\n',
+        "s<|im_end|>\n"]
