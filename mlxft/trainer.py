@@ -105,6 +105,8 @@ def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | Non
             raise UserError(f"the {name} dataset has no row with a supervised token; give rows with completions "
                             "or assistant turns")
         for number, example in enumerate(dataset.examples):
+            if not example.ids.size:  # a batch row would start one token before it
+                raise UserError(f"the {name} dataset's example {number} holds no tokens; leave it out")
             outside = (example.ids < 0) | (example.ids >= vocab_size if vocab_size else False)
             if outside.any():
                 raise UserError(f"the {name} dataset's example {number} holds token id {example.ids[outside][0]}, "

@@ -459,6 +459,9 @@ def test_a_model_passed_in_is_frozen_left_as_found_and_never_adapted_twice(llama
                                         "outside the model's vocabulary"):
         Trainer(cfg, fresh, tokenizer, datasets=(Dataset(Path("rows"), rows, "completion"),
                                                  Dataset(Path("valid"), outside, "completion")))
+    # An empty example passed the checks beside a supervised one and failed in NumPy mid-batch.
+    with pytest.raises(UserError, match="the train dataset's example 1 holds no tokens; leave it out"):
+        Trainer(cfg, fresh, tokenizer, datasets=(Dataset(Path("rows"), [rows[0], Example([], [])], "completion"), None))
 
 
 def test_api_mistakes_are_one_line_errors_and_leave_the_model_as_it_was(llama_dir, chat_data, tmp_path):
