@@ -598,14 +598,20 @@ class Loaded:
     spec: AdapterSpec | None
 
 
-def run_setting(spec: AdapterSpec | None, field: str, given, default):
-    """A flag's value: as given, else what the mlxft run recorded in its config's data section
-    (how it rendered and cut its rows), else ``default``; so scoring a run's adapter encodes
-    rows as that run's training did."""
+def run_setting(spec: AdapterSpec | None, field: str, given, default, section: str = "data"):
+    """A flag's value: as given, else what the mlxft run recorded in its config's ``section``
+    (how it rendered and cut its rows, the dtype it computed in), else ``default``; so scoring
+    a run's adapter encodes rows as that run's training did."""
     if given is not None:
         return given
-    recorded = ((spec.run_config or {}).get("data") or {}).get(field) if spec is not None else None
-    return default if recorded is None else recorded
+    recorded = ((spec.run_config or {}).get(section) or {}).get(field) if spec is not None else None
+    if recorded is None:
+        return default
+    if type(recorded) is not type(default):  # an edited config.yaml
+        kind = {bool: "true or false", int: "a whole number", str: "text"}.get(type(default), type(default).__name__)
+        raise UserError(f"{spec.path / 'config.yaml'}: field {section}.{field} is {recorded!r}, which is not "
+                        f"{kind}; correct it or pass the setting as a flag")
+    return recorded
 
 
 def base_model_name(model: str | None, spec: AdapterSpec | None) -> str:
@@ -627,16 +633,17 @@ def base_revision(model: str | None, revision: str | None, spec: AdapterSpec | N
     return str((spec.run_config.get("model") or {}).get("revision") or "")
 
 
-def add_model_arguments(parser) -> None:
+def add_model_arguments(parser, dtype_of_run: bool = False) -> None:
     """The --model / --revision / --adapter / --dtype flags of the CLIs that load through
-    :func:`load_with_adapter`."""
+    :func:`load_with_adapter`; with ``dtype_of_run`` --dtype defaults to the run's own."""
     parser.add_argument("--model", metavar="BASE",
                         help="base model directory or hub id (default: the base recorded in --adapter)")
     add_revision_argument(parser)
     parser.add_argument("--adapter", metavar="DIR",
                         help="run directory, checkpoint, mlx-lm or PEFT adapter directory (omit for the base alone)")
-    parser.add_argument("--dtype", choices=("auto", *models.DTYPES), default="auto",
-                        help="compute dtype (auto: float32 on the CPU, bfloat16 on a GPU)")
+    parser.add_argument("--dtype", choices=("auto", *models.DTYPES), default=None if dtype_of_run else "auto",
+                        help=("compute dtype (default: the one an mlxft run recorded, else auto; " if dtype_of_run
+                              else "compute dtype (") + "auto: float32 on the CPU, bfloat16 on a GPU)")
 
 
 def add_revision_argument(parser) -> None:
@@ -645,10 +652,16 @@ def add_revision_argument(parser) -> None:
                              "recorded for its base, else the hub's default branch)")
 
 
-def load_with_adapter(model: str | None, adapter: str | None, dtype: str = "auto", revision: str = "") -> Loaded:
+def load_with_adapter(model: str | None, adapter: str | None, dtype: str | None = "auto", revision: str = "") -> Loaded:
     """Load the base (as the adapter was trained: an mlxft run's quantization and hub revision
-    are reused), put the adapter on it, and take the tokenizer the run saved (else the base's)."""
+    are reused, and with ``dtype`` None its dtype), put the adapter on it, and take the
+    tokenizer the run saved (else the base's)."""
     weights, spec = load_adapter_dir(adapter) if adapter else (None, None)
+    if dtype is None:
+        dtype = run_setting(spec, "dtype", None, "auto", section="model")
+        if dtype not in ("auto", *models.DTYPES):
+            raise UserError(f"{spec.path / 'config.yaml'}: field model.dtype is {dtype!r}, not one of auto, "
+                            f"{', '.join(models.DTYPES)}; correct it or pass --dtype")
     name = base_model_name(model, spec)
     quantized = base_quantization(spec) or {"bits": 0, "group_size": 64, "dtype": dtype}
     quantize, group_size, run_dtype = quantized["bits"], quantized["group_size"], quantized["dtype"]
@@ -684,9 +697,8 @@ def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int
         model, config = load_model(path)
         tokenizer = run_tokenizer(Path(tokenizer_dir), config) if tokenizer_dir else None
         tokenizer = tokenizer or load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError, RuntimeError) as err:
-        first = first_line(err)
-        raise UserError(f"cannot load model from {path}: {first}") from err
+    except models.LOAD_ERRORS as err:
+        raise models.load_error(path, err) from err
     if quantize and not models.is_quantized(model):
         model.set_dtype(models.resolve_dtype(quantize_dtype or dtype))
         model, config = quantize_model(model, config, group_size, quantize)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(
         prog="python -m mlxft.evaluate",
         description="Token-weighted loss and perplexity of a base model, with an optional adapter, on a JSONL set.")
-    add_model_arguments(parser)
+    add_model_arguments(parser, dtype_of_run=True)
     parser.add_argument("--data", required=True,
                         help="a JSONL file, or a directory holding test.jsonl (else valid.jsonl)")
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
@@ -90,7 +89,7 @@ def evaluate(model, tokenizer, path, *, batch_size: int = TrainConfig.batch_size
     import mlx.core as mx
 
     from mlxft import data
-    from mlxft.loss import evaluation_loss
+    from mlxft.loss import evaluation_loss, perplexity
 
     check_counts(batch_size, max_seq_length, max_batches, loss_chunk)
     data.renders_chat(tokenizer, prompt_format)  # a format none of the three is an error, whatever the rows
@@ -113,7 +112,7 @@ def evaluate(model, tokenizer, path, *, batch_size: int = TrainConfig.batch_size
         raise UserError(f"{path}: no token was scored (no row has a supervised token); "
                         "give rows with completions or assistant turns, or pass --no-completion-only")
     loss = loss_sum.item() / count
-    return Evaluation(loss, math.exp(min(loss, 700.0)), count, rows, path)
+    return Evaluation(loss, perplexity(loss), count, rows, path)
 
 
 @run_cli

@@ -38,6 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def read_text(value: str, flag: str, stdin: bool = False) -> str:
+    """A text flag's value, with ``stdin`` ``-`` read from standard input; either must be UTF-8
+    (a tokenizer takes no lone surrogates, which is what Python makes of other bytes)."""
+    if stdin and value == "-":
+        if sys.stdin is None:
+            raise UserError(f"{flag} -: there is no standard input to read; pass the text itself")
+        raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError(f"{flag} -: standard input is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
+                            f"{err.start}); save it as UTF-8") from None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{flag} is not UTF-8 text; give it in UTF-8") from None
+    return value
+
+
 def messages_for(prompt: str, system: str = "") -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
@@ -61,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError("--temp must be a finite number >= 0 and --top-p in [0, 1]")
     if not 0 <= args.seed < 2**64:  # MLX's seed is an unsigned 64-bit integer
         raise UserError(f"--seed must be 0 to 2**64-1, got {args.seed}")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt, system = read_text(args.prompt, "--prompt", stdin=True), read_text(args.system, "--system")
     import mlx.core as mx
 
     from mlxft.adapters import load_with_adapter, run_setting
@@ -70,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_with_adapter(args.model, args.adapter, args.dtype, args.revision)
     mx.random.seed(args.seed)
     prompt_format = run_setting(loaded.spec, "prompt_format", args.prompt_format, DataConfig.prompt_format)
-    ids = prompt_ids(loaded.tokenizer, messages_for(prompt, args.system), prompt_format)
+    ids = prompt_ids(loaded.tokenizer, messages_for(prompt, system), prompt_format)
     last = None
     try:
         for last in stream(loaded.model, loaded.tokenizer, ids, args.max_tokens, args.temp, args.top_p):

@@ -20,6 +20,7 @@ forward pass.
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,6 +29,12 @@ from mlx.utils import tree_flatten
 from mlxft import packing
 from mlxft.fastmath import input_gradient
 from mlxft.models import hidden_states, output_head
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), the same in training's records and in evaluation; a float holds it up to a
+    loss of 709, so larger losses read as exp(700)."""
+    return math.exp(min(loss, 700.0))
 
 
 def _log_partition_and_softmax(wide: mx.array) -> tuple[mx.array, mx.array]:

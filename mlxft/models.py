@@ -81,6 +81,18 @@ def resolve_dtype(name: str) -> mx.Dtype:
     return DTYPES[name]
 
 
+# What mlx-lm's loader raises for a directory it cannot load: a missing or unreadable file,
+# bad JSON, a config.json with a field missing or of the wrong type.
+LOAD_ERRORS = (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError, RuntimeError, TypeError,
+               AttributeError)
+
+
+def load_error(path, err: BaseException) -> UserError:
+    """One line for a model directory mlx-lm could not load."""
+    hint = "; check its config.json" if isinstance(err, (TypeError, AttributeError, KeyError)) else ""
+    return UserError(f"cannot load model from {path}: {first_line(err)}{hint}")
+
+
 def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, revision: str = ""):
     """Load ``(model, tokenizer, path, config)`` with mlx-lm, cast and optionally quantized."""
     from mlx_lm.utils import load_model, load_tokenizer, quantize_model
@@ -89,9 +101,8 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
     try:
         model, config = load_model(path)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError, RuntimeError) as err:
-        first = first_line(err)
-        raise UserError(f"cannot load model from {path}: {first}") from err
+    except LOAD_ERRORS as err:
+        raise load_error(path, err) from err
     model.set_dtype(resolve_dtype(dtype))
     if quantize:
         if is_quantized(model):

@@ -106,9 +106,9 @@ class Reporter:
         return record
 
     def eval(self, step: int, loss: float, tokens: int) -> dict:
-        import math
+        from mlxft.loss import perplexity
 
-        record = {"type": "eval", "step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": tokens}
+        record = {"type": "eval", "step": step, "val_loss": loss, "val_ppl": perplexity(loss), "val_tokens": tokens}
         self._print(f"step {step}/{self.total_steps} | val loss {loss:.4f} | val ppl {record['val_ppl']:.3f}")
         self._record(record)
         return record

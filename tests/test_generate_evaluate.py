@@ -25,8 +25,9 @@ def test_generate_cli_streams_the_adapted_models_greedy_answer(llama_dir, runs_r
 
     run = trained_run(runs_root, llama_dir)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mlxft.generate", "--adapter", str(run), "--prompt", "What is 3 plus 4?",
-                           "--max-tokens", "6", "--verbose"], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([sys.executable, "-m", "mlxft.generate", "--adapter", str(run), "--prompt", "-",
+                           "--max-tokens", "6", "--verbose"], input="What is 3 plus 4?", capture_output=True, text=True,
+                          timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "generation: 6 tokens" in proc.stderr or "stop: stop" in proc.stderr
 
@@ -266,3 +267,96 @@ def test_exact_match_answers_are_each_prompts_greedy_continuation(model_dir):
     assert score == 1.0
     wrong = [pair._replace(reference=pair.reference + " and more") for pair in pairs]
     assert generation.exact_match(model, tokenizer, wrong, "raw", max_tokens=6)[0] == 0.0
+
+
+def test_prompts_that_are_not_utf8_are_one_line_errors(monkeypatch, capsys, tmp_path):
+    # Other bytes reached the tokenizer as lone surrogates (a TypeError traceback); a closed
+    # standard input was an AttributeError. All are refused before a model loads.
+    import io
+
+    run = str(tmp_path / "no-run")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 ?")))
+    assert generate_main(["--adapter", run, "--prompt", "-"]) == 2
+    assert "--prompt -: standard input is not UTF-8 text (byte 0xe9 at offset 3); save it as UTF-8" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", None)
+    assert generate_main(["--adapter", run, "--prompt", "-"]) == 2
+    assert "--prompt -: there is no standard input to read" in capsys.readouterr().err
+    assert generate_main(["--adapter", run, "--prompt", "caf\udce9"]) == 2
+    assert "--prompt is not UTF-8 text" in capsys.readouterr().err
+    assert generate_main(["--adapter", run, "--prompt", "hi", "--system", "\udce9"]) == 2
+    assert "--system is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_evaluate_computes_in_the_runs_dtype_and_names_a_damaged_setting(llama_dir, runs_root, tmp_path, capsys):
+    # A run trained in bfloat16 was scored in float32 (the CPU's auto), so its loss was not the
+    # trainer's; a config.yaml edited by hand was a TypeError traceback.
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run(runs_root, llama_dir), run)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["model"]["dtype"] = "bfloat16"
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    valid = data_dir(runs_root) / "valid.jsonl"
+
+    def loss(dtype):
+        loaded = adapters.load_with_adapter(None, str(run), dtype)
+        return evaluate(loaded.model, loaded.tokenizer, valid).loss
+
+    def printed(*flags):
+        capsys.readouterr()
+        code = evaluate_main(["--adapter", str(run), "--data", str(valid), "--json", *flags])
+        out = capsys.readouterr()
+        return json.loads(out.out)["loss"] if code == 0 else (code, out.err)
+
+    in_bf16, in_f32 = loss("bfloat16"), loss("float32")
+    assert in_bf16 != in_f32
+    assert printed() == pytest.approx(in_bf16, rel=1e-6)
+    assert printed("--dtype", "float32") == pytest.approx(in_f32, rel=1e-6)
+    for section, field, value, message in (
+            ("data", "max_seq_length", "2048x", "field data.max_seq_length is '2048x', which is not a whole number"),
+            ("data", "completion_only", "yes", "field data.completion_only is 'yes', which is not true or false"),
+            ("model", "dtype", "bf16", "field model.dtype is 'bf16', not one of auto, float32, bfloat16, float16")):
+        broken = yaml.safe_load((run / "config.yaml").read_text())
+        broken[section][field] = value
+        (run / "config.yaml").write_text(yaml.safe_dump(broken))
+        code, err = printed()
+        assert code == 2 and f"{run / 'config.yaml'}: {message}" in err and "Traceback" not in err
+        (run / "config.yaml").write_text(yaml.safe_dump(saved))
+
+
+@pytest.mark.parametrize("damage", ["missing hidden_size", "layers as text", "not an object"])
+def test_a_base_with_a_damaged_config_is_a_one_line_error(llama_dir, tmp_path, capsys, damage):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(llama_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    if damage == "missing hidden_size":
+        del config["hidden_size"]
+    elif damage == "layers as text":
+        config["num_hidden_layers"] = "two"
+    else:
+        config = [1, 2]
+    (base / "config.json").write_text(json.dumps(config))
+    for main in (evaluate_main, generate_main):
+        flags = ["--data", str(tmp_path)] if main is evaluate_main else ["--prompt", "hi"]
+        if main is evaluate_main:
+            (tmp_path / "valid.jsonl").write_text(json.dumps({"prompt": "q", "completion": "a"}) + "\n")
+        assert main(["--model", str(base), *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot load model from {base}" in err and "Traceback" not in err
+
+
+def test_training_and_evaluation_report_one_perplexity(tmp_path):
+    # The trainer's records capped the exponent at 50, evaluate at 700: past a loss of 50 the
+    # logged perplexity was off by orders of magnitude.
+    import io
+
+    from mlxft.loss import perplexity
+    from mlxft.report import Reporter
+
+    record = Reporter(tmp_path, 1, stream=io.StringIO()).eval(1, 60.0, 10)
+    assert record["val_ppl"] == pytest.approx(math.exp(60.0)) == perplexity(60.0)
