@@ -51,12 +51,9 @@ def dequantize(model: nn.Module, config: dict) -> None:
     config.pop("quantization_config", None)
 
 
-def stored_dtype(model_path: Path) -> str | None:
-    """The float dtype most of a model directory's safetensors tensors are stored in.
-
-    Read from the files' headers only (8-byte length, then JSON), so nothing is loaded.
-    """
-    counts: Counter = Counter()
+def _stored_tensors(model_path: Path):
+    """(name, header entry) of every tensor in a model directory's safetensors files, read
+    from the headers only (8-byte length, then JSON), so nothing is loaded."""
     for path in sorted(Path(model_path).glob("*.safetensors")):
         try:
             with open(path, "rb") as f:
@@ -64,10 +61,28 @@ def stored_dtype(model_path: Path) -> str | None:
                 header = json.loads(f.read(length))
         except (OSError, ValueError, struct.error):
             continue
-        for name, entry in header.items():
-            if name != "__metadata__" and entry.get("dtype") in _SAFETENSORS_DTYPES:
-                counts[_SAFETENSORS_DTYPES[entry["dtype"]]] += 1
+        if isinstance(header, dict):
+            yield from ((name, entry) for name, entry in header.items()
+                        if name != "__metadata__" and isinstance(entry, dict))
+
+
+def stored_dtype(model_path: Path) -> str | None:
+    """The float dtype most of a model directory's safetensors tensors are stored in."""
+    counts = Counter(_SAFETENSORS_DTYPES[entry["dtype"]] for _, entry in _stored_tensors(model_path)
+                     if entry.get("dtype") in _SAFETENSORS_DTYPES)
     return counts.most_common(1)[0][0] if counts else None
+
+
+def renamed_tensors(model: nn.Module, model_path: Path) -> list[str]:
+    """The tensors :func:`hf_weights` writes under names the base's own files do not use.
+
+    mlx-lm's loader renames some families' tensors and this module turns back only LFM2's
+    layout: a mixture of experts stays stacked (``switch_mlp``) where the base stores each
+    expert apart, and transformers would start those tensors at random. Empty when the base
+    stores no safetensors to compare with.
+    """
+    stored = {name for name, _ in _stored_tensors(model_path)}
+    return sorted(set(hf_weights(model)) - stored) if stored else []
 
 
 def hf_weights(model: nn.Module, dtype: mx.Dtype | None = None) -> dict[str, mx.array]:
@@ -94,8 +109,10 @@ def hf_config(model: nn.Module, config: dict, weights: dict[str, mx.array], dtyp
     config["tie_word_embeddings"] = tied
     if "tie_embedding" in config:  # LFM2's own key, which transformers lets override the other
         config["tie_embedding"] = tied
-    if dtype_name:
+    if dtype_name:  # transformers 4.56 and later write and read "dtype"; earlier ones "torch_dtype"
         config["torch_dtype"] = dtype_name
+        if "dtype" in config:
+            config["dtype"] = dtype_name
     if "quantization" in config:  # still quantized: mlx-lm's loader reads either key
         config["quantization_config"] = config["quantization"]
     return dict(sorted(config.items()))

@@ -146,3 +146,41 @@ def test_fuse_refuses_bad_output_paths(llama_dir, runs_root, tmp_path, capsys):
         with pytest.raises(UserError, match="--max-shard-size must be a number of GB > 0"):
             fuse(str(run), None, tmp_path / "y", max_shard_gb=size)
     assert not (tmp_path / "y").exists()
+
+
+def test_a_base_with_transformers_dtype_key_is_told_the_written_dtype(llama_dir, tmp_path):
+    # transformers 4.56+ writes (and 5 reads) "dtype"; only "torch_dtype" was set, so a float32
+    # fuse of a base whose config said "dtype": "bfloat16" loaded in bfloat16, silently.
+    base = tmp_path / "base"
+    shutil.copytree(llama_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    out = fuse(None, str(base), tmp_path / "fused", dtype="float32")
+    written = json.loads((out / "config.json").read_text())
+    assert written["dtype"] == written["torch_dtype"] == "float32"
+
+
+def test_experts_left_stacked_are_said_to_load_in_mlx_lm_only(tmp_path, capsys):
+    # mlx-lm stacks a mixture of experts on load; written stacked, transformers found none of
+    # the base's expert tensors and started them at random without an error.
+    from conftest import LLAMA_CONFIG, write_model
+
+    base = write_model(tmp_path / "mixtral", {**LLAMA_CONFIG, "model_type": "mixtral", "num_local_experts": 4,
+                                              "num_experts_per_tok": 2})
+    weights = mx.load(str(base / "model.safetensors"))
+    for name in [n for n in weights if ".switch_mlp." in n]:  # each expert apart, as the hub stores them
+        stacked = weights.pop(name)
+        prefix, projection = name.split(".switch_mlp.")
+        short = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}[projection.split(".")[0]]
+        for expert in range(stacked.shape[0]):
+            weights[f"{prefix}.experts.{expert}.{short}.weight"] = stacked[expert]
+    mx.save_safetensors(str(base / "model.safetensors"), weights)
+    expected = logits(base_model(base))
+    capsys.readouterr()
+    out = fuse(None, str(base), tmp_path / "fused")
+    printed = capsys.readouterr()
+    assert "tensors are written as mlx-lm names them, not as the base stores them" in printed.err
+    assert "transformers does not" in printed.out
+    assert max_rel_diff(mlx_lm_logits(out), expected) < 1e-6
+    fuse(None, str(out), tmp_path / "again")  # a base already in mlx-lm's layout: nothing renamed
+    assert "mlx-lm names them" not in capsys.readouterr().err
