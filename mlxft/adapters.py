@@ -73,6 +73,7 @@ class AdapterSpec:
     layers: list[int] = field(default_factory=list)  # layer indices that hold tensors
     model_type: str = ""
     base_model: str = ""
+    base_revision: str = ""  # the hub revision of a hub base_model the adapter was trained on
     source: str = ""  # mlxft | mlx-lm | peft
     path: Path = Path(".")
     run_config: dict | None = None  # an mlxft run's config.yaml, when there is one
@@ -140,6 +141,8 @@ def load_adapter_dir(path) -> tuple[dict[str, mx.array], AdapterSpec]:
             saved = None
         # Only used for defaults (quantization); the adapter itself is fine without it.
         spec.run_config = saved if isinstance(saved, dict) and saved else None
+        if not spec.base_revision and spec.run_config:  # runs written before the header recorded it
+            spec.base_revision = str((spec.run_config.get("model") or {}).get("revision") or "")
     return weights, spec
 
 
@@ -186,7 +189,8 @@ def _mlxft_spec(path: Path, meta: dict[str, str]) -> AdapterSpec:
             fine_tune_type=_fine_tune_type(meta["fine_tune_type"], where), rank=int(meta["rank"]),
             scale=float(meta["scale"]), dropout=float(meta["dropout"]), targets=list(targets),
             num_layers=int(meta["num_layers"]), model_type=meta.get("model_type", ""),
-            base_model=meta.get("base_model", ""), source="mlxft", path=path,
+            base_model=meta.get("base_model", ""), base_revision=meta.get("base_revision", ""), source="mlxft",
+            path=path,
             base_quantization=_base_quantization(meta.get("base_quantization"), where),
             partial=_partial(path, meta))
     except KeyError as err:
@@ -301,7 +305,8 @@ def _mlx_lm_spec(path: Path, config: dict) -> AdapterSpec:
         fine_tune_type=fine_tune_type, rank=rank, scale=scale,
         dropout=_dropout(params, "dropout", where), targets=targets if fine_tune_type == "full" else [],
         num_layers=num_layers, model_type=str(config.get("model_type", "")),
-        base_model=str(config.get("base_model") or config.get("model") or ""), source="mlx-lm", path=path,
+        base_model=str(config.get("base_model") or config.get("model") or ""),
+        base_revision=str(config.get("base_revision") or ""), source="mlx-lm", path=path,
         base_quantization=_base_quantization(config.get("base_quantization"), where))
 
 
@@ -348,7 +353,8 @@ def _read_peft(path: Path) -> tuple[dict[str, mx.array], AdapterSpec]:
     spec = AdapterSpec(
         fine_tune_type="dora" if use_dora else "lora", rank=rank, scale=scale,
         dropout=_dropout(config, "lora_dropout", where), targets=[], num_layers=None,
-        base_model=str(config.get("base_model_name_or_path") or ""), source="peft", path=path, partial=True)
+        base_model=str(config.get("base_model_name_or_path") or ""), base_revision=str(config.get("revision") or ""),
+        source="peft", path=path, partial=True)
     return weights, spec
 
 
@@ -624,13 +630,16 @@ def base_model_name(model: str | None, spec: AdapterSpec | None) -> str:
 
 
 def base_revision(model: str | None, revision: str | None, spec: AdapterSpec | None) -> str:
-    """``--revision`` when given; else, for the base an mlxft run records, the hub revision the
-    run trained on (its config.yaml's), so the adapter goes on the weights it was trained with."""
+    """``--revision`` when given; else, for the base the adapter records, the hub revision it
+    was trained on, so the adapter goes on the weights it was trained with."""
     if revision:
         return revision
-    if model or spec is None or not spec.run_config:
-        return ""
-    return str((spec.run_config.get("model") or {}).get("revision") or "")
+    return "" if model or spec is None else spec.base_revision
+
+
+def _recorded_revision(spec: AdapterSpec, base_model: str) -> str:
+    """The revision an exported adapter records: its own, unless it is recorded for another base."""
+    return spec.base_revision if not base_model or base_model == spec.base_model else ""
 
 
 def add_model_arguments(parser, dtype_of_run: bool = False) -> None:
@@ -762,7 +771,7 @@ def peft_config(spec: AdapterSpec, base_model: str = "") -> dict:
         "inference_mode": True,
         "rank_pattern": {},
         "alpha_pattern": {},
-        "revision": None,
+        "revision": _recorded_revision(spec, base_model) or None,
     }
 
 
@@ -815,7 +824,7 @@ def write_mlx(weights: dict[str, mx.array], spec: AdapterSpec, out: Path, base_m
             num_layers = -1
     metadata = checkpoint.adapter_metadata(spec.fine_tune_type, spec.rank, spec.alpha, spec.dropout, spec.targets,
                                            num_layers, spec.model_type, base_model or spec.base_model,
-                                           base_quantization(spec))
+                                           base_quantization(spec), _recorded_revision(spec, base_model))
     metadata["scale"] = repr(float(spec.scale))  # exactly the source's (alpha / rank may round)
     metadata["partial"] = "true" if spec.partial else "false"  # for mlxft; mlx-lm fills any gap this way
     mx.save_safetensors(str(out / checkpoint.ADAPTER_FILE), weights, metadata=metadata)

@@ -119,12 +119,15 @@ def write_json(path: Path, data: dict) -> None:
 
 def adapter_metadata(fine_tune_type: str, rank: int, alpha: float, dropout: float, targets: list[str],
                      num_layers: int, model_type: str, base_model: str = "",
-                     base_quantization: dict | None = None) -> dict[str, str]:
+                     base_quantization: dict | None = None, base_revision: str = "") -> dict[str, str]:
     """The safetensors header entries (strings only) that describe an adapter file.
     ``base_quantization`` (``bits``, ``group_size``, ``dtype``): how the run quantized a float
-    base on load (QLoRA), which the adapter belongs to as much as to the base's weights."""
+    base on load (QLoRA), which the adapter belongs to as much as to the base's weights;
+    ``base_revision``: the hub revision of a hub base, so a copy of the adapter finds the
+    weights it was trained on."""
     quantization = {"base_quantization": json.dumps(base_quantization, sort_keys=True)} if base_quantization else {}
-    return {**quantization,
+    revision = {"base_revision": base_revision} if base_revision else {}
+    return {**quantization, **revision,
         "format": FORMAT,
         "partial": "false",  # every tensor of the span is here (see mlxft.adapters.AdapterSpec.partial)
         "fine_tune_type": fine_tune_type,
@@ -168,6 +171,8 @@ def mlx_lm_adapter_config(metadata: dict[str, str]) -> dict:
         config["lora_parameters"]["keys"] = targets
     if metadata.get("base_quantization"):
         config["base_quantization"] = json.loads(metadata["base_quantization"])
+    if metadata.get("base_revision"):
+        config["base_revision"] = metadata["base_revision"]
     return config
 
 

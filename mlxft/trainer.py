@@ -847,7 +847,7 @@ class Trainer:
         dtype = next(name for name, d in models.DTYPES.items() if d == models.resolve_dtype(m.dtype))
         quantized = {"bits": m.quantize, "group_size": m.quantize_group_size, "dtype": dtype} if m.quantize else None
         return checkpoint.adapter_metadata(a.finetune, a.rank, a.alpha, a.dropout, self.targets, layers,
-                                           models.family(self.model), m.model, quantized)
+                                           models.family(self.model), m.model, quantized, m.revision)
 
     def training_state(self) -> dict:
         c = self.config

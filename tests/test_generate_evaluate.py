@@ -65,6 +65,28 @@ def test_the_tools_load_the_hub_revision_a_run_trained_on(llama_dir, runs_root, 
     assert evaluate_main(["--adapter", str(run), "--data", valid, "--max-batches", "1", "--revision", "v2"]) == 0
     assert fetched[1:] == [("someorg/tiny-llama", "v1.0")] * 3 + [("someorg/tiny-llama", "v2")]
 
+    # Exported, or copied out without config.yaml, the adapter lost the revision and went on
+    # the default branch's weights.
+    import shutil
+
+    from mlxft.export import main as export_main
+
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    for name in ("adapters.safetensors", "adapter_config.json"):
+        shutil.copy(run / name, copied / name)
+    for fmt in ("peft", "mlx-lm"):
+        assert export_main(["--adapter", str(run), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["revision"] == "v1.0"
+    del fetched[:]
+    for adapter in (copied, tmp_path / "peft", tmp_path / "mlx-lm"):
+        assert generate_main(["--adapter", str(adapter), "--prompt", "hi", "--max-tokens", "1"]) == 0
+    assert fetched == [("someorg/tiny-llama", "v1.0")] * 3
+    # Recorded for another base, the run's revision would name a branch of the wrong repository.
+    assert export_main(["--adapter", str(run), "--format", "peft", "--out", str(tmp_path / "other"),
+                        "--model", str(llama_dir)]) == 0
+    assert json.loads((tmp_path / "other" / "adapter_config.json").read_text())["revision"] is None
+
 
 def test_evaluate_leaves_the_model_in_the_mode_it_came_in(llama_dir, runs_root):
     run = trained_run(runs_root, llama_dir)
