@@ -328,9 +328,24 @@ class _Metadata:
             return default
         return self.values[key]
 
+    def _damaged(self, key: str, value: Any, kind: str) -> UserError:
+        return UserError(f"{self.path}: GGUF metadata {key!r} is {_scalar(value)!r}, not {kind}; the file is "
+                         "damaged or not a llama.cpp model")
+
     def get_int(self, key: str, default: int | None = None, required: bool = False) -> int | None:
         value = self._get(key, default, required)
-        return None if value is None else int(_scalar(value))
+        if value is None:
+            return None
+        if not isinstance(_scalar(value), (int, np.integer)) or isinstance(_scalar(value), bool):
+            raise self._damaged(key, value, "an integer")
+        return int(_scalar(value))
+
+    def get_count(self, key: str, default: int | None = None, required: bool = False) -> int | None:
+        """An integer that sizes the model (layers, heads, widths): at least 1."""
+        value = self.get_int(key, default, required)
+        if value is not None and value < 1:
+            raise self._damaged(key, value, "a count of at least 1")
+        return value
 
     def get_float(
         self, key: str, default: float | None = None, required: bool = False
@@ -338,6 +353,8 @@ class _Metadata:
         value = self._get(key, default, required)
         if value is None:
             return None
+        if not isinstance(_scalar(value), (int, float)) or isinstance(_scalar(value), bool):
+            raise self._damaged(key, value, "a number")
         if isinstance(value, mx.array):
             # GGUF floats are float32: print the shortest decimal that round-trips in float32
             # (1e-05, not 9.999999747378752e-06), as the original Hugging Face config had.
@@ -349,7 +366,10 @@ class _Metadata:
         return None if value is None else bool(_scalar(value))
 
     def get_str(self, key: str, default: str | None = None, required: bool = False) -> str | None:
-        return self._get(key, default, required)
+        value = self._get(key, default, required)
+        if value is not None and not isinstance(value, str):
+            raise self._damaged(key, value, "text")
+        return value
 
     def get_list(self, key: str, required: bool = False) -> list | None:
         value = self._get(key, None, required)
@@ -427,23 +447,29 @@ def _llama3_rope_scaling(meta: _Metadata, arch: str, rope_freqs: mx.array) -> di
 def build_config(meta: _Metadata, tensors: dict[str, mx.array]) -> dict[str, Any]:
     """Hugging Face ``LlamaForCausalLM`` config.json from GGUF metadata (without quantization)."""
     arch = _check_architecture(meta)
-    hidden = meta.get_int(f"{arch}.embedding_length", required=True)
-    heads = meta.get_int(f"{arch}.attention.head_count", required=True)
-    kv_heads = meta.get_int(f"{arch}.attention.head_count_kv", heads)
-    head_dim = meta.get_int(f"{arch}.attention.key_length", hidden // heads)
-    value_dim = meta.get_int(f"{arch}.attention.value_length", head_dim)
+    hidden = meta.get_count(f"{arch}.embedding_length", required=True)
+    heads = meta.get_count(f"{arch}.attention.head_count", required=True)
+    kv_heads = meta.get_count(f"{arch}.attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise UserError(f"{meta.path}: {heads} attention heads cannot share {kv_heads} key/value heads evenly; "
+                        "the file is damaged or not a llama.cpp model")
+    if f"{arch}.attention.key_length" not in meta.values and hidden % heads:
+        raise UserError(f"{meta.path}: the embedding length {hidden} does not split into {heads} heads and no "
+                        "head size is given; the file is damaged or not a llama.cpp model")
+    head_dim = meta.get_count(f"{arch}.attention.key_length", hidden // heads)
+    value_dim = meta.get_count(f"{arch}.attention.value_length", head_dim)
     if value_dim != head_dim:
         raise UserError(f"{meta.path}: key and value head sizes differ ({head_dim} vs "
                         f"{value_dim}); mlx-lm's Llama cannot run this model")
     tokens = meta.get_list("tokenizer.ggml.tokens") or []
-    vocab = (meta.get_int(f"{arch}.vocab_size") or len(tokens)
+    vocab = (meta.get_count(f"{arch}.vocab_size") or len(tokens)
              or tensors["token_embd.weight"].shape[0])
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
-        "intermediate_size": meta.get_int(f"{arch}.feed_forward_length", required=True),
-        "num_hidden_layers": meta.get_int(f"{arch}.block_count", required=True),
+        "intermediate_size": meta.get_count(f"{arch}.feed_forward_length", required=True),
+        "num_hidden_layers": meta.get_count(f"{arch}.block_count", required=True),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -451,7 +477,7 @@ def build_config(meta: _Metadata, tensors: dict[str, mx.array]) -> dict[str, Any
         "rope_theta": meta.get_float(f"{arch}.rope.freq_base", 10000.0),
         "rope_scaling": _rope_scaling(meta, arch, tensors),
         "vocab_size": vocab,
-        "max_position_embeddings": meta.get_int(f"{arch}.context_length", 2048),
+        "max_position_embeddings": meta.get_count(f"{arch}.context_length", 2048),
         # llama.cpp omits output.weight when the LM head shares the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
@@ -508,6 +534,38 @@ def _expected_tensors(config: dict[str, Any]) -> list[str]:
     return names
 
 
+def _expected_rows_and_columns(stem: str, config: dict[str, Any]) -> tuple[int, int | None]:
+    """A weight's (rows, columns) in Hugging Face's orientation; columns None for a norm."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    part = stem.split(".")[-1]
+    return {"token_embd": (config["vocab_size"], hidden), "output": (config["vocab_size"], hidden),
+            "output_norm": (hidden, None), "attn_norm": (hidden, None), "ffn_norm": (hidden, None),
+            "attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, q),
+            "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}[part]
+
+
+def _check_shapes(path: Path, tensors: dict[str, mx.array], config: dict[str, Any]) -> None:
+    """Every tensor belongs to one of the config's blocks and has its shape (a quantized
+    weight's packed columns aside), so the written model loads."""
+    layers = config["num_hidden_layers"]
+    for name, array in tensors.items():
+        stem, _, suffix = name.rpartition(".")
+        if name in _IGNORED_TENSORS or suffix in ("scales", "biases"):
+            continue
+        block = stem.split(".")
+        if block[0] == "blk" and int(block[1]) >= layers:
+            raise UserError(f"{path}: tensor {name} belongs to a block past the {layers} the metadata gives; "
+                            "the file is damaged or not a llama.cpp model")
+        rows, columns = _expected_rows_and_columns(stem, config)
+        packed = f"{stem}.scales" in tensors
+        expected = (rows,) if suffix == "bias" or columns is None else (rows, columns)
+        shape = tuple(array.shape)
+        if (shape[:1] if packed else shape) != (expected[:1] if packed else expected):
+            raise UserError(f"{path}: tensor {name} has shape {shape} where the metadata implies {expected}; "
+                            "the file is damaged or not a llama.cpp model")
+
+
 def _default_dtype(tensors: dict[str, mx.array], types: dict[str, int]) -> mx.Dtype:
     """The GGUF's own precision: that of the embedding (its scales when quantized)."""
     if types.get("token_embd.weight") == GGML_Q4_K:
@@ -536,6 +594,7 @@ def convert_tensors(
     if unknown:
         raise UserError(f"{path}: tensor {unknown[0]} has no Llama equivalent; this GGUF is "
                         "not a plain Llama model (convert the original with mlx_lm.convert)")
+    _check_shapes(path, tensors, config)
 
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out: dict[str, mx.array] = {}

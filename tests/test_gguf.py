@@ -422,7 +422,31 @@ def bad_inputs(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
     patch_tensor_type(unsupported_type, "blk.0.attn_q.weight", GGML_Q5_0)
     other_arch = tmp_path / "qwen2.gguf"
     mx.save_gguf(str(other_arch), {"token_embd.weight": mx.zeros((4, 8))}, gguf_metadata("qwen2"))
-    return {
+    # Damaged metadata or tensors were tracebacks (ValueError, ZeroDivisionError, TypeError), or
+    # a converted model that mlx-lm then refused to load.
+    model = reference_model(False)
+    arrays = {gguf_name(k): mx.array(np.ascontiguousarray(to_gguf_layout(k, np.array(v))))
+              for k, v in tree_flatten(model.parameters())}
+
+    def variant(name, metadata=None, tensors=None):
+        path = tmp_path / f"{name}.gguf"
+        mx.save_gguf(str(path), {**arrays, **(tensors or {})}, {**gguf_metadata(), **(metadata or {})})
+        return path
+
+    damaged = {
+        "heads-as-text": (variant("heads-text", {"llama.attention.head_count": "four"}),
+                          "'llama.attention.head_count' is 'four', not an integer"),
+        "no-heads": (variant("heads-zero", {"llama.attention.head_count": u32(0)}), "not a count of at least 1"),
+        "uneven-heads": (variant("heads-five", {"llama.attention.head_count": u32(5)}),
+                         "5 attention heads cannot share 2 key/value heads evenly"),
+        "template-not-text": (variant("template", {"tokenizer.chat_template": u32(3)}),
+                              "'tokenizer.chat_template' is 3, not text"),
+        "extra-block": (variant("extra", tensors={"blk.5.attn_q.weight": mx.zeros((64, 64))}),
+                        "tensor blk.5.attn_q.weight belongs to a block past the 2"),
+        "wrong-shape": (variant("shape", tensors={"blk.0.attn_q.weight": mx.zeros((32, 64))}),
+                        "tensor blk.0.attn_q.weight has shape (32, 64) where the metadata implies (64, 64)"),
+    }
+    return {**damaged,
         "missing": (tmp_path / "nope.gguf", "not found"),
         "truncated": (truncated, "past the end of the file"),
         "header-cut": (header_cut, "not a readable GGUF"),
