@@ -141,8 +141,8 @@ def load_adapter_dir(path) -> tuple[dict[str, mx.array], AdapterSpec]:
             saved = None
         # Only used for defaults (quantization); the adapter itself is fine without it.
         spec.run_config = saved if isinstance(saved, dict) and saved else None
-        if not spec.base_revision and spec.run_config:  # runs written before the header recorded it
-            spec.base_revision = str((spec.run_config.get("model") or {}).get("revision") or "")
+        if not spec.base_revision:  # runs written before the header recorded it
+            spec.base_revision = str(run_section(spec, "model").get("revision") or "")
     return weights, spec
 
 
@@ -245,6 +245,17 @@ def _base_quantization(value, where: Path) -> dict | None:
     return {"bits": bits, "group_size": group_size, "dtype": dtype}
 
 
+def run_section(spec: AdapterSpec | None, section: str) -> dict:
+    """A section of the run's config.yaml (``model``, ``data``), empty when there is none."""
+    value = (spec.run_config or {}).get(section) if spec is not None else None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):  # an edited file
+        raise UserError(f"{spec.path / checkpoint.CONFIG_FILE}: section {section} is {value!r}, not a mapping of "
+                        "fields; fix the file or remove it")
+    return value
+
+
 def base_quantization(spec: AdapterSpec | None) -> dict | None:
     """How the run behind ``spec`` quantized a float base on load (QLoRA): what the adapter
     records, else (runs from before it did) its config.yaml's model section; None for a run on
@@ -253,7 +264,7 @@ def base_quantization(spec: AdapterSpec | None) -> dict | None:
         return None
     if spec.base_quantization or not spec.run_config:
         return spec.base_quantization
-    section = spec.run_config.get("model") or {}
+    section = run_section(spec, "model")
     try:
         bits, group_size = int(section.get("quantize") or 0), int(section.get("quantize_group_size") or 64)
     except (AttributeError, TypeError, ValueError) as err:
@@ -610,7 +621,7 @@ def run_setting(spec: AdapterSpec | None, field: str, given, default, section: s
     a run's adapter encodes rows as that run's training did."""
     if given is not None:
         return given
-    recorded = ((spec.run_config or {}).get(section) or {}).get(field) if spec is not None else None
+    recorded = run_section(spec, section).get(field)
     if recorded is None:
         return default
     if type(recorded) is not type(default):  # an edited config.yaml

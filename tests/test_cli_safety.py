@@ -166,7 +166,7 @@ def test_tilde_paths_in_a_config_file_mean_the_home_directory(llama_dir, chat_da
     assert not (cwd / "~").exists()
 
 
-@pytest.mark.parametrize("text", ["- a list\n", "model: [4]\n", "model:\n  quantize: four\n"])
+@pytest.mark.parametrize("text", ["- a list\n", "model: [4]\n", "data: [4]\n", "model:\n  quantize: four\n"])
 def test_a_damaged_run_config_is_not_a_traceback(llama_dir, chat_data, tmp_path, capsys, text):
     from mlxft.generate import main as generate_main
 
