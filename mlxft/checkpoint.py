@@ -35,6 +35,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
+# What a run writes into its directory after each checkpoint (see Trainer.save_checkpoint).
+RUN_FILES = (ADAPTER_FILE, ADAPTER_CONFIG, CONFIG_FILE, STATE_FILE) + TOKENIZER_FILES
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -396,6 +400,12 @@ def _checkpoint_state(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return state if isinstance(state, dict) and all(k in state for k in ("step", "batch_index", "total_steps")) else None
+
+
+def run_id_of(path: Path) -> str | None:
+    """The run an mlxft checkpoint directory belongs to; None where it records none."""
+    run_id = (_checkpoint_state(path) or {}).get("run_id")
+    return run_id if isinstance(run_id, str) else None
 
 
 def prune_checkpoints(run_dir: Path, keep: int, run_id: str, step: int) -> list[Path]:

@@ -75,8 +75,19 @@ class TrainingStopped(Exception):
 
 def continues_in(run_dir: Path, resume_from: Path | None) -> bool:
     """Whether resuming from ``resume_from`` continues the run in ``run_dir`` (rather than
-    starting one there from another run's checkpoint)."""
-    return resume_from is not None and resume_from.parent == run_dir.resolve()
+    starting one there from another run's checkpoint): the checkpoint lies in ``run_dir`` and
+    the directory holds its run. A checkpoint copied into another run's directory, or into
+    one of the user's, is not at home there: ``latest`` names a checkpoint of another run,
+    or (before a run's first ``latest``) files a run writes after its checkpoint are there."""
+    if resume_from is None or resume_from.parent != run_dir.resolve():
+        return False
+    run_id = checkpoint.run_id_of(resume_from)
+    if run_id is None:  # written before checkpoints recorded their run
+        return True
+    latest = run_dir / checkpoint.LATEST
+    if latest.is_symlink() or latest.exists():
+        return checkpoint.run_id_of(latest.resolve()) in (None, run_id)
+    return not any((run_dir / name).exists() for name in checkpoint.RUN_FILES)
 
 
 def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = None, main: bool = True) -> None:

@@ -253,3 +253,26 @@ def test_a_rank_other_than_0_says_why_it_stopped_unless_all_stopped_together(mon
     monkeypatch.setenv("MLX_RANK", "1")
     assert train_main(["--model", "m", "--data", "d"]) == 1
     assert ("out of memory at step 3" in capsys.readouterr().err) is printed
+
+
+def test_a_checkpoint_copied_into_another_directory_does_not_take_it_over(llama_dir, chat_data, tmp_path, capsys):
+    # Resuming counted as continuing the run whenever the checkpoint sat in the output
+    # directory, so a checkpoint copied into a user's directory, or into another run's,
+    # replaced their files (config.yaml, tokenizer, final/, latest) without --overwrite.
+    first = _train(llama_dir, chat_data, tmp_path / "first", "--max-steps", "2", "--save-every", "1")
+    other = _train(llama_dir, chat_data, tmp_path / "other")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my settings\n")
+    (mine / "tokenizer.json").write_text("my tokenizer\n")
+    before = (other / "final" / "adapters.safetensors").read_bytes()
+    for directory in (mine, other):
+        shutil.copytree(first / "checkpoint-1", directory / "from-first")
+        capsys.readouterr()
+        assert train_main(["--resume", str(directory / "from-first"), "--max-steps", "2"]) == 2
+        assert "pass --overwrite" in capsys.readouterr().err
+    assert (mine / "config.yaml").read_text() == "my settings\n"
+    assert (mine / "tokenizer.json").read_text() == "my tokenizer\n"
+    assert (other / "final" / "adapters.safetensors").read_bytes() == before
+    # Its own checkpoint continues the run in its directory, as before.
+    assert train_main(["--resume", str(first / "checkpoint-1"), "--max-steps", "3"]) == 0
