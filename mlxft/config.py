@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from mlxft.errors import UserError
+from mlxft.errors import UserError, first_line
 
 WHOLE_LAYERS = "layers"  # the target that trains every weight of the selected layers (full only)
 
@@ -353,6 +353,9 @@ def load_yaml(path: str | Path) -> dict:
         mark = getattr(err, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
         raise UserError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)})") from err
+    except (ValueError, RecursionError) as err:  # a number of thousands of digits, nesting thousands deep
+        raise UserError(f"{path}: YAML this reader cannot take ({first_line(err) or type(err).__name__}); "
+                        "simplify the value") from err
     return {} if data is None else data  # an empty file; any other non-mapping is refused as one
 
 
@@ -484,6 +487,11 @@ def validate(config: RunConfig, model_given: bool = False, data_given: bool = Fa
     need(not config.model.fit_memory or config.train.memory_estimate, "model.fit_memory",
          "fits the run by the memory estimate; drop --no-memory-estimate")
     need(d.length_bucket >= 1, "data.length_bucket", f"must be >= 1, got {d.length_bucket}")
+    # A micro-batch's padded token count indexes MLX arrays: past 2**31 the first step crashes.
+    padded = t.batch_size * max(d.length_bucket, math.ceil(d.max_seq_length / d.length_bucket) * d.length_bucket)
+    need(padded <= MAX_COUNT, "train.batch_size",
+         f"{t.batch_size:,} rows padded to {padded // t.batch_size:,} tokens (max_seq_length rounded up to "
+         f"length_bucket) exceed 2**31 tokens a micro-batch; lower batch_size, max_seq_length or length_bucket")
     need(o.learning_rate > 0 and math.isfinite(o.learning_rate), "optim.learning_rate", "must be > 0")
     need(0 <= o.min_learning_rate <= o.learning_rate, "optim.min_learning_rate", "must be in [0, learning_rate]")
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")

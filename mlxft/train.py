@@ -31,21 +31,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # Before the distributed world exists, mlx.launch's rank variable tells: only rank 0 prints.
     say = print if os.environ.get("MLX_RANK", "0") in ("", "0") else (lambda *a, **k: None)
+    for flag, value in (("--config", args.config), ("--resume", getattr(args, "train.resume", None)),
+                        ("--output-dir", getattr(args, "train.output_dir", None))):
+        if value is not None and not str(value).strip():  # "$UNSET": not the default job, nor a fresh run
+            raise UserError(f"{flag} is empty; name a {'YAML file' if flag == '--config' else 'path'}")
     config_path = args.config
-    given = ("model.model", "data.data", "data.train_file", "data.valid_file")
-    if not config_path and not any(hasattr(args, name) for name in given):
-        if hasattr(args, "train.resume"):  # continue the run with its own settings, not the default job's
-            config_path = _checkpoint_config(args)
-            say(f"no --model/--data/--config given: resuming with the checkpoint's settings ({config_path})")
-        else:
-            config_path = DEFAULT_JOB  # no model, data or config given: the built-in default job
-            say(f"no --model/--data/--config given: running the default job ({DEFAULT_JOB.name})")
+    if config_path is None and hasattr(args, "train.resume") and not (hasattr(args, "model.model")
+                                                                     or hasattr(args, "data.data")):
+        # Continue the run with its own settings; other flags (--train-file too) override them.
+        config_path = _checkpoint_config(args)
+        say(f"no --model/--data/--config given: resuming with the checkpoint's settings ({config_path})")
+    elif config_path is None and not any(hasattr(args, name) for name in ("model.model", "data.data",
+                                                                          "data.train_file", "data.valid_file")):
+        config_path = DEFAULT_JOB  # no model, data or config given: the built-in default job
+        say(f"no --model/--data/--config given: running the default job ({DEFAULT_JOB.name})")
     config = cfg.resolve(args, config_path)
     if config_path == DEFAULT_JOB and not hasattr(args, "train.overwrite"):
         # The job's `overwrite: true` lets it re-run into its own runs/default; a directory the
         # user names may hold another run, which only --overwrite may replace.
         job_dir = cfg.load_yaml(DEFAULT_JOB)["train"]["output_dir"]
-        config.train.overwrite = config.train.overwrite and Path(config.train.output_dir) == Path(job_dir)
+        config.train.overwrite = config.train.overwrite and _same_path(config.train.output_dir, job_dir)
     from mlxft.distributed import PeerLost
     from mlxft.trainer import TrainingStopped, fine_tune
 
@@ -71,7 +76,8 @@ def _checkpoint_config(args) -> Path:
     from mlxft import checkpoint
 
     resume = getattr(args, "train.resume")
-    found = checkpoint.resolve_checkpoint(resume, Path(getattr(args, "train.output_dir", cfg.TrainConfig.output_dir)))
+    found = checkpoint.resolve_checkpoint(
+        resume, Path(getattr(args, "train.output_dir", cfg.TrainConfig.output_dir)).expanduser())
     if not hasattr(args, "train.output_dir"):
         setattr(args, "train.output_dir", str(found.parent))
     path = found / checkpoint.CONFIG_FILE
@@ -79,6 +85,10 @@ def _checkpoint_config(args) -> Path:
         raise UserError(f"--resume {resume}: {found} has no {checkpoint.CONFIG_FILE} to take the run's settings from; "
                         "pass --config or --model and --data")
     return path
+
+
+def _same_path(a, b) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 if __name__ == "__main__":

@@ -276,3 +276,80 @@ def test_a_checkpoint_copied_into_another_directory_does_not_take_it_over(llama_
     assert (other / "final" / "adapters.safetensors").read_bytes() == before
     # Its own checkpoint continues the run in its directory, as before.
     assert train_main(["--resume", str(first / "checkpoint-1"), "--max-steps", "3"]) == 0
+
+
+def test_empty_paths_are_refused_not_taken_for_none(llama_dir, chat_data, tmp_path, monkeypatch, capsys):
+    # `--config "$UNSET"` ran the default job (replacing runs/default); `--resume ""` trained
+    # from scratch; both exited 0.
+    monkeypatch.chdir(tmp_path)
+    for flags, message in ((["--config", ""], "--config is empty; name a YAML file"),
+                           (["--resume", " ", *_common(llama_dir, chat_data)], "--resume is empty; name a path"),
+                           (["--output-dir", "", *_common(llama_dir, chat_data)], "--output-dir is empty")):
+        capsys.readouterr()
+        assert train_main(flags) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # no default job, no run started
+
+
+def test_resume_finds_a_home_relative_run_and_takes_its_settings_beside_file_flags(llama_dir, chat_data, tmp_path,
+                                                                                   monkeypatch, capsys):
+    # --output-dir=~/run (bash leaves the ~) with --resume latest looked for ./~/run/latest;
+    # --resume CHECKPOINT --valid-file F fell back to bare defaults ("no model given").
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    run = _train(llama_dir, chat_data, "~/run", "--max-steps", "2", "--save-every", "1")
+    assert run == "~/run" and (tmp_path / "home" / "run" / "latest").exists()
+    assert train_main(["--output-dir", "~/run", "--resume", "latest", "--max-steps", "3"]) == 0
+    valid = tmp_path / "valid.jsonl"
+    shutil.copy(chat_data / "valid.jsonl", valid)
+    capsys.readouterr()
+    assert train_main(["--resume", str(tmp_path / "home" / "run" / "checkpoint-1"), "--valid-file", str(valid),
+                       "--max-steps", "3"]) == 0
+    assert "resuming with the checkpoint's settings" in capsys.readouterr().out
+
+
+def test_sizes_past_what_mlx_indexes_and_unreadable_yaml_are_one_line_errors(llama_dir, chat_data, tmp_path, capsys):
+    # A batch of 2**31-1 rows was an OverflowError traceback (a bucket that large, a segfault)
+    # after the output directory existed; a 5,000-digit number or YAML nested thousands deep
+    # was a ValueError or RecursionError traceback.
+    out = tmp_path / "run"
+    for flags in (["--batch-size", str(2**31 - 1)], ["--length-bucket", str(2**31 - 1)]):
+        capsys.readouterr()
+        assert train_main(_common(llama_dir, chat_data) + ["--output-dir", str(out), *flags]) == 2
+        assert "exceed 2**31 tokens a micro-batch" in capsys.readouterr().err and not out.exists()
+    for name, text in (("digits", "train:\n  seed: " + "9" * 5000 + "\n"),
+                       ("deep", "train:\n  seed: " + "[" * 3000 + "]" * 3000 + "\n")):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        capsys.readouterr()
+        assert train_main(["--config", str(path), *_common(llama_dir, chat_data)]) == 2
+        err = capsys.readouterr().err
+        assert f"{path}: YAML this reader cannot take" in err and "Traceback" not in err
+
+
+def test_the_default_job_reruns_into_its_own_directory_however_it_is_spelled(tmp_path, monkeypatch, capsys):
+    import mlxft.builtin
+    from mlxft.errors import UserError
+
+    def reached():
+        raise UserError("reached the model")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(mlxft.builtin, "model_dir", reached)
+    (tmp_path / "runs" / "default").mkdir(parents=True)
+    (tmp_path / "runs" / "default" / "training_state.json").write_text("{}")  # an earlier default run
+    assert train_main(["--output-dir", str(tmp_path / "runs" / "default")]) == 2
+    assert "reached the model" in capsys.readouterr().err  # past the output directory's check
+
+
+def test_the_default_job_restates_no_default():
+    # A value restated in the job counts as given: --init-adapter then refused a starting
+    # adapter of another rank than the restated default's.
+    import yaml
+
+    from mlxft.config import RunConfig
+    from mlxft.train import DEFAULT_JOB
+
+    defaults = RunConfig()
+    for section, values in yaml.safe_load(DEFAULT_JOB.read_text()).items():
+        for name, value in values.items():
+            assert value != getattr(getattr(defaults, section), name), f"{section}.{name}"
