@@ -240,10 +240,15 @@ def build_step(
         normalizer = mx.minimum(clip_to / (norm + 1e-6), 1.0)
         return tree_map(lambda g: (g * normalizer).astype(g.dtype), grads), norm
 
+    def applies(norm, tokens):
+        # A window without a supervised token has a zero gradient, on which Adam would still
+        # step along its moments and decay the weights: no data, no update.
+        return mx.isfinite(norm) & (tokens > 0)
+
     def update_tree(grads, tokens):
         grads = tree_map(lambda g: mean_gradient(g, tokens), grads)
         grads, norm = clip_global_norm(grads)
-        finite = mx.isfinite(norm)
+        finite = applies(norm, tokens)
         old_params = model.trainable_parameters()
         # The optimizer updates the float32 master where a parameter has one (it maps over the
         # gradients' structure, so the state's master entry is not mistaken for a parameter).
@@ -267,7 +272,7 @@ def build_step(
     def update_flat(grads, tokens, params):
         grads = mean_gradient(grads, tokens)
         norm = mx.sqrt(grads.square().sum())
-        finite = mx.isfinite(norm)
+        finite = applies(norm, tokens)
         if max_grad_norm > 0:
             grads = grads * mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)
         old_moments = dict(optimizer.state.get(FlatTrainables.KEY, {}))

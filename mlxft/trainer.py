@@ -697,9 +697,11 @@ class Trainer:
         """Read one optimizer step's results: loss, tokens, whether it applied."""
         result = done.result
         applied = bool(result.applied.item())
+        empty = int(result.tokens.item()) == 0  # skipped for want of data, not for overflow
         # The scale this step ran at: a float16 step is read before the next is queued.
         ran_at = self.scaler.scale
-        self.scaler.update(applied)
+        if not empty:
+            self.scaler.update(applied)
         real_tokens = done.real_tokens
         if self.world.size > 1:  # loss and supervised tokens come back global from the step
             real_tokens = int(self.world.all_sum(mx.array(real_tokens)).item())
@@ -707,7 +709,10 @@ class Trainer:
         memory.release_cache(self.config.train.clear_cache_above)
         self._pace_memory()
         self._check_memory_limit()
-        if not applied:
+        if empty:
+            self.skipped_steps += 1
+            self.reporter.info(f"step {done.step}: no supervised token in this step's rows; update skipped")
+        elif not applied:
             self.skipped_steps += 1
             # An overflow above the scale's floor is the scaler's business (it halves the
             # scale); only steps that fail at the floor count towards --max-nonfinite-steps.

@@ -141,6 +141,27 @@ def test_non_finite_gradients_skip_the_update(llama_dir, flat):
         assert mx.array_equal(v, moments[k]).item(), k
 
 
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per-tensor"])
+def test_a_window_without_supervised_tokens_changes_nothing(llama_dir, flat):
+    # Its gradient is zero, on which AdamW still stepped along its moments and decayed the
+    # weights (reachable through Trainer(datasets=...), which may hold unsupervised rows).
+    model = lora_model(llama_dir)
+    opt = optim.AdamW(learning_rate=1e-2, weight_decay=0.1)
+    step = build_step(model, opt, loss_fn, flat=flat)
+    result, _ = step(make_batch(uneven_rows(), 6, 4).arrays(), None, update=True)
+    mx.eval(step.state)
+    params = dict(tree_flatten(model.trainable_parameters()))
+    moments = dict(tree_flatten({k: v for k, v in opt.state.items() if k not in ("step", "learning_rate")}))
+    unsupervised = [Example(row.ids, np.zeros(len(row.ids), bool)) for row in uneven_rows()[:2]]
+    result, _ = step(make_batch(unsupervised, 2, 4).arrays(), None, update=True)
+    mx.eval(step.state)
+    assert result.tokens.item() == 0 and not result.applied.item()
+    for k, v in tree_flatten(model.trainable_parameters()):
+        assert mx.array_equal(v, params[k]).item(), k
+    for k, v in tree_flatten({k: v for k, v in opt.state.items() if k not in ("step", "learning_rate")}):
+        assert mx.array_equal(v, moments[k]).item(), k
+
+
 def test_flat_update_equals_per_tensor_update(llama_dir):
     """Adapters laid end to end (one clip, guard and AdamW update) train exactly as per tensor,
     checkpoint the same per-parameter optimizer state, and adopt a per-tensor one on resume."""

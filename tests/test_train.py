@@ -510,3 +510,19 @@ def test_help_lists_every_option_readably(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "11% slower" in out and "option_strings" not in out
+
+
+def test_a_step_without_supervised_tokens_is_skipped_and_said(llama_dir, tmp_path, capsys):
+    from pathlib import Path
+
+    from mlxft.data import Dataset, Example
+
+    rows = [Example(np.arange(3, 19, dtype=np.int32), np.arange(16) >= 8),
+            Example(np.arange(3, 19, dtype=np.int32), np.zeros(16, bool))]
+    cfg = RunConfig.from_dict({"model": {"model": str(llama_dir)},
+                               "train": {"output_dir": str(tmp_path / "run"), "batch_size": 1, "max_steps": 2,
+                                         "memory_estimate": False, "exact_match_rows": 0}})
+    Trainer(cfg, datasets=(Dataset(Path("rows"), rows, "completion"), None)).train()
+    assert "no supervised token in this step's rows; update skipped" in capsys.readouterr().out
+    state = json.loads((tmp_path / "run" / "training_state.json").read_text())
+    assert state["skipped_steps"] == 1
