@@ -441,11 +441,12 @@ def _delete_directory(path: Path) -> None:
 _ANY_CHECKPOINT = re.compile(r"^(checkpoint-\d+(-emergency)?|final)$")
 
 
-def remove_checkpoints(run_dir: Path) -> list[Path]:
+def remove_checkpoints(run_dir: Path, spare: Path | None = None) -> list[Path]:
     """Delete an earlier run's checkpoints and its ``latest`` link (for --overwrite), and
-    nothing that is not an mlxft checkpoint."""
+    nothing that is not an mlxft checkpoint, nor ``spare`` (the checkpoint a run resumes from)."""
     run_dir = Path(run_dir)
-    doomed = [p for p in run_dir.iterdir() if _ANY_CHECKPOINT.match(p.name) and _checkpoint_state(p) is not None]
+    doomed = [p for p in run_dir.iterdir() if _ANY_CHECKPOINT.match(p.name) and _checkpoint_state(p) is not None
+              and (spare is None or p.resolve() != Path(spare).resolve())]
     if (run_dir / LATEST).is_symlink():  # first: it must never point at a half-deleted checkpoint
         (run_dir / LATEST).unlink()
     for path in doomed:

@@ -364,7 +364,7 @@ class Trainer:
                     dropped = checkpoint.drop_metrics_after(self.run_dir, self.step_count)
                 else:  # a new run here, though it may start from another run's checkpoint
                     if t.overwrite:  # the old run's checkpoints and `latest` would pass for this run's
-                        checkpoint.remove_checkpoints(self.run_dir)
+                        checkpoint.remove_checkpoints(self.run_dir, spare=resume_from)
                     checkpoint.write_text(self.run_dir / checkpoint.METRICS_FILE, "")
         self.reporter = reporter or Reporter(self.run_dir, self.total_steps, enabled=self.world.is_main)
         self.reporter.on_stream_lost = self._output_lost

@@ -276,6 +276,10 @@ def test_a_checkpoint_copied_into_another_directory_does_not_take_it_over(llama_
     assert (other / "final" / "adapters.safetensors").read_bytes() == before
     # Its own checkpoint continues the run in its directory, as before.
     assert train_main(["--resume", str(first / "checkpoint-1"), "--max-steps", "3"]) == 0
+    # With --overwrite the other run's checkpoints go, but not the copy this run resumes from.
+    shutil.copytree(first / "checkpoint-1", other / "checkpoint-7")
+    assert train_main(["--resume", str(other / "checkpoint-7"), "--max-steps", "2", "--overwrite"]) == 0
+    assert (other / "checkpoint-7").is_dir() and (other / "final" / "adapters.safetensors").read_bytes() != before
 
 
 def test_empty_paths_are_refused_not_taken_for_none(llama_dir, chat_data, tmp_path, monkeypatch, capsys):
