@@ -626,7 +626,7 @@ def run_setting(spec: AdapterSpec | None, field: str, given, default, section: s
         return default
     if type(recorded) is not type(default):  # an edited config.yaml
         kind = {bool: "true or false", int: "a whole number", str: "text"}.get(type(default), type(default).__name__)
-        raise UserError(f"{spec.path / 'config.yaml'}: field {section}.{field} is {recorded!r}, which is not "
+        raise UserError(f"{spec.path / checkpoint.CONFIG_FILE}: field {section}.{field} is {recorded!r}, which is not "
                         f"{kind}; correct it or pass the setting as a flag")
     return recorded
 
@@ -680,7 +680,7 @@ def load_with_adapter(model: str | None, adapter: str | None, dtype: str | None 
     if dtype is None:
         dtype = run_setting(spec, "dtype", None, "auto", section="model")
         if dtype not in ("auto", *models.DTYPES):
-            raise UserError(f"{spec.path / 'config.yaml'}: field model.dtype is {dtype!r}, not one of auto, "
+            raise UserError(f"{spec.path / checkpoint.CONFIG_FILE}: field model.dtype is {dtype!r}, not one of auto, "
                             f"{', '.join(models.DTYPES)}; correct it or pass --dtype")
     name = base_model_name(model, spec)
     quantized = base_quantization(spec) or {"bits": 0, "group_size": 64, "dtype": dtype}
