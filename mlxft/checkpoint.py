@@ -552,7 +552,7 @@ def first_output_in(run_dir: Path) -> str | None:
     """The name of the first thing in ``run_dir`` that a run writes over, if any. A
     ``metrics.jsonl`` of no training step is not: a run stopped (Ctrl-C, a crash) before its
     first step leaves one, and an error naming it would block the same command run again."""
-    names = (ADAPTER_FILE, ADAPTER_CONFIG, CONFIG_FILE, STATE_FILE, METRICS_FILE, LATEST) + TOKENIZER_FILES
+    names = RUN_FILES + (METRICS_FILE, LATEST)
     for path in sorted(Path(run_dir).iterdir()):
         if path.name == METRICS_FILE and not _records_training(path):
             continue

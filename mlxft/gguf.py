@@ -87,6 +87,8 @@ _BLOCK_NAMES = {
 }
 # weight/bias are the tensor itself; scales/biases are MLX's quantization companions.
 _SUFFIXES = ("weight", "bias", "scales", "biases")
+# The end of every message about a GGUF whose metadata or tensors do not fit together.
+_DAMAGED = "the file is damaged or not a llama.cpp model"
 # Tensors llama.cpp writes that carry no weights mlx-lm needs.
 _IGNORED_TENSORS = {"rope_freqs.weight"}
 
@@ -329,16 +331,16 @@ class _Metadata:
         return self.values[key]
 
     def _damaged(self, key: str, value: Any, kind: str) -> UserError:
-        return UserError(f"{self.path}: GGUF metadata {key!r} is {_scalar(value)!r}, not {kind}; the file is "
-                         "damaged or not a llama.cpp model")
+        return UserError(f"{self.path}: GGUF metadata {key!r} is {_scalar(value)!r}, not {kind}; {_DAMAGED}")
 
     def get_int(self, key: str, default: int | None = None, required: bool = False) -> int | None:
         value = self._get(key, default, required)
-        if value is None:
+        scalar = _scalar(value)
+        if scalar is None:
             return None
-        if not isinstance(_scalar(value), (int, np.integer)) or isinstance(_scalar(value), bool):
+        if not isinstance(scalar, (int, np.integer)) or isinstance(scalar, bool):
             raise self._damaged(key, value, "an integer")
-        return int(_scalar(value))
+        return int(scalar)
 
     def get_count(self, key: str, default: int | None = None, required: bool = False) -> int | None:
         """An integer that sizes the model (layers, heads, widths): at least 1."""
@@ -452,10 +454,10 @@ def build_config(meta: _Metadata, tensors: dict[str, mx.array]) -> dict[str, Any
     kv_heads = meta.get_count(f"{arch}.attention.head_count_kv", heads)
     if heads % kv_heads:
         raise UserError(f"{meta.path}: {heads} attention heads cannot share {kv_heads} key/value heads evenly; "
-                        "the file is damaged or not a llama.cpp model")
+                        f"{_DAMAGED}")
     if f"{arch}.attention.key_length" not in meta.values and hidden % heads:
         raise UserError(f"{meta.path}: the embedding length {hidden} does not split into {heads} heads and no "
-                        "head size is given; the file is damaged or not a llama.cpp model")
+                        f"head size is given; {_DAMAGED}")
     head_dim = meta.get_count(f"{arch}.attention.key_length", hidden // heads)
     value_dim = meta.get_count(f"{arch}.attention.value_length", head_dim)
     if value_dim != head_dim:
@@ -556,14 +558,14 @@ def _check_shapes(path: Path, tensors: dict[str, mx.array], config: dict[str, An
         block = stem.split(".")
         if block[0] == "blk" and int(block[1]) >= layers:
             raise UserError(f"{path}: tensor {name} belongs to a block past the {layers} the metadata gives; "
-                            "the file is damaged or not a llama.cpp model")
+                            f"{_DAMAGED}")
         rows, columns = _expected_rows_and_columns(stem, config)
         packed = f"{stem}.scales" in tensors
         expected = (rows,) if suffix == "bias" or columns is None else (rows, columns)
         shape = tuple(array.shape)
         if (shape[:1] if packed else shape) != (expected[:1] if packed else expected):
             raise UserError(f"{path}: tensor {name} has shape {shape} where the metadata implies {expected}; "
-                            "the file is damaged or not a llama.cpp model")
+                            f"{_DAMAGED}")
 
 
 def _default_dtype(tensors: dict[str, mx.array], types: dict[str, int]) -> mx.Dtype:

@@ -439,6 +439,9 @@ def bad_inputs(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
         "no-heads": (variant("heads-zero", {"llama.attention.head_count": u32(0)}), "not a count of at least 1"),
         "uneven-heads": (variant("heads-five", {"llama.attention.head_count": u32(5)}),
                          "5 attention heads cannot share 2 key/value heads evenly"),
+        "heads-not-dividing-width": (variant("heads-six", {"llama.attention.head_count": u32(6)}),
+                                     "the embedding length 64 does not split into 6 heads and no head size is given; "
+                                     "the file is damaged"),
         "template-not-text": (variant("template", {"tokenizer.chat_template": u32(3)}),
                               "'tokenizer.chat_template' is 3, not text"),
         "extra-block": (variant("extra", tensors={"blk.5.attn_q.weight": mx.zeros((64, 64))}),
