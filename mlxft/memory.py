@@ -146,16 +146,25 @@ class Estimate:
     (``--recompute-mlp``; 0 where that does not apply or already does)."""
     recompute_mlp_transient: int = 0
     """``transient`` with those MLPs recomputing gate and up in their backward pass."""
+    update: float = 0
+    """What the optimizer's update allocates beside the training state, once the backward pass
+    has freed the activations: new parameters, masters and moments (see :func:`estimate`)."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.training_state + self.activations + self.loss
+        return self._peak(self.activations + self.loss)
+
+    def _peak(self, backward: float) -> float:
+        """The run's peak with ``backward`` bytes at the backward pass's peak: that pass's or the
+        update's, which comes after it."""
+        return self.weights + self.training_state + max(backward, self.update)
 
     def total_recomputing(self, first: int) -> float:
         """The estimate with the first ``first`` layers recomputed: each one stops keeping its
         activations, and the one being recomputed holds them again during its backward pass."""
         recomputed = self.recompute_peaks[:first]
-        return self.total - sum(self.recompute_savings[:first]) + max(max(recomputed, default=0) - self.transient, 0)
+        return self._peak(self.activations + self.loss - sum(self.recompute_savings[:first])
+                          + max(max(recomputed, default=0) - self.transient, 0))
 
     def total_recomputing_mlp(self, first: int | None = None) -> float:
         """The estimate with ``--recompute-mlp`` in the first ``first`` layers (None: every layer):
@@ -165,7 +174,8 @@ class Estimate:
         first = layers if first is None else first
         transient = self.recompute_mlp_transient if first >= layers else max(self.transient,
                                                                               self.recompute_mlp_transient)
-        return self.total - sum(self.recompute_mlp_savings[:first]) - self.transient + transient
+        return self._peak(self.activations + self.loss - sum(self.recompute_mlp_savings[:first])
+                          - self.transient + transient)
 
     def mlp_layers_to_recompute(self, limit: float) -> int | None:
         """The fewest first layers whose MLPs to recompute (``--recompute-mlp-layers``) for the
@@ -182,9 +192,11 @@ class Estimate:
         return replace(self, loss=self.loss - 0.8 * self.loss_queued_ahead, paced=True)
 
     def describe(self) -> str:
+        update = f", at the optimizer's update {self.update / GB:.2f} more" \
+            if self.update > self.activations + self.loss else ""
         return (f"{self.total / GB:.2f} GB (weights {self.weights / GB:.2f}, adapters + gradients + optimizer "
                 f"{self.training_state / GB:.2f}, activations {self.activations / GB:.2f}, "
-                f"loss {self.loss / GB:.2f})")
+                f"loss {self.loss / GB:.2f}{update})")
 
 
 def _fewest_first(savings: tuple[int, ...], total_with, limit: float) -> int | None:
@@ -308,6 +320,12 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
     # Parameters, their gradient, the optimizer's (initialised) state, masters included, and the
     # open window's gradient sum when accumulating.
     state = trainable + working * (1 + int(window)) + _nbytes(optimizer_state)
+    # The compiled step's update writes new parameters, masters and moments while it still holds
+    # the old ones: MLX reuses an input's buffer for an output only where the input has no other
+    # holder, which the outputs of the previous step's fused update (siblings of one kernel) do
+    # not reliably meet. Full fine-tuning of SmolLM2-135M at batch 1 on the CPU peaked at the
+    # update, 0.92 GB over its gradients and state where all of it would be 1.62 GB; priced whole.
+    update = trainable + _nbytes(optimizer_state)
     weights = _nbytes(model.parameters()) - trainable
     layers = list(model.layers)
     dim = model.args.hidden_size
@@ -371,14 +389,16 @@ def estimate(model: nn.Module, batch: int, length: int, supervised: int, optimiz
                     tuple(savings.get(id(layer), 0) for layer in layers),
                     tuple(peaks.get(id(layer), 0) for layer in layers), transient, queued_ahead,
                     recompute_mlp_savings=tuple(mlp_savings.get(id(layer), 0) for layer in layers),
-                    recompute_mlp_transient=mlp_transient)
+                    recompute_mlp_transient=mlp_transient, update=update)
 
 
 def can_pace(estimate: Estimate | None) -> bool:
-    """Whether pacing would lower this run's peak by a twentieth or more (the loss queues that
-    far ahead). Where pacing is not allowed (:func:`may_pace_here`), the estimate was made
-    without the paced probe and its queue is 0."""
-    return estimate is not None and estimate.loss_queued_ahead > 0.05 * estimate.total
+    """Whether the loss queues a twentieth of the run's peak or more ahead, and pacing would take
+    it off: not where the optimizer's update, which pacing does not lower, peaks as high. Where
+    pacing is not allowed (:func:`may_pace_here`), the estimate was made without the paced
+    probe and its queue is 0."""
+    # The paced estimate keeps a fifth of the queue (Estimate.pace).
+    return estimate is not None and estimate.total - estimate.pace().total > 0.8 * 0.05 * estimate.total
 
 
 def may_pace_here() -> bool:
@@ -394,8 +414,10 @@ def pacing_limit(estimate: Estimate) -> int:
     the paced estimate less the smaller of the loss and the layers' backward transient, which
     do not overlap. The paced loss keeps a fifth of the queue as headroom, since a limit below
     what a step needs makes MLX wait for every operation (SmolLM2-135M on the CPU: 3x the
-    step time with the limit 0.4 GB under)."""
-    return int(estimate.total - min(estimate.transient, estimate.loss))
+    step time with the limit 0.4 GB under). Never under what the optimizer's update needs."""
+    held = estimate.weights + estimate.training_state
+    backward = held + estimate.activations + estimate.loss
+    return int(max(backward - min(estimate.transient, estimate.loss), held + estimate.update))
 
 
 def is_out_of_memory(err: BaseException) -> bool:
