@@ -504,34 +504,44 @@ def _smaller_batch_hint(batch_size: int, accum: int, ranks: int) -> str | None:
 
 
 def advice(config, estimate: Estimate | None = None, limit: float | None = None, ranks: int = 1,
-           quantized: bool = False, longest: int | None = None) -> str:
+           quantized: bool = False, longest: int | None = None, resume: str | None = None) -> str:
     """The settings that bring a run's memory down, most effective first. Given the run's
     ``estimate`` and the ``limit`` it passed, recomputation is advised for as few layers as fit
     (the rest keep their activations and their speed), and ``--recompute-mlp`` for as few
     layers' MLPs as fit, first when checkpointing would take more than half of the layers.
-    ``longest``: the training set's longest row, which a shorter --max-seq-length must cut."""
-    hints = []
+    ``longest``: the training set's longest row, which a shorter --max-seq-length must cut.
+    ``resume``: the checkpoint a stopped run continues from, with which the advice says which
+    settings a resume takes, which need its ``--force`` and which only a new run can have."""
+    hints = []  # (flags, what resuming with them needs: "" nothing, "force" or "new" a new run)
     recompute = _recompute_hint(config, estimate, limit)
     if recompute:
-        hints.append(recompute)
+        hints.append((recompute, ""))
     mlp_layers = mlp_layers_to_fit(config, estimate, limit)
     if mlp_layers is not None:
-        mlp = _mlp_hint(config, estimate, mlp_layers)
+        mlp = (_mlp_hint(config, estimate, mlp_layers), "")
         hints.insert(0 if prefers_mlp_recomputation(config, estimate, limit) else len(hints), mlp)
     # Each hint below must be a setting validation takes and that differs from the run's own.
+    # Resuming checks the settings in checkpoint.RESUME_FIXED and RESUME_FORCEABLE.
     smaller_batch = _smaller_batch_hint(config.train.batch_size, config.train.grad_accum_steps, ranks)
     if smaller_batch:
-        hints.append(smaller_batch)
+        hints.append((smaller_batch, "force"))
     length = min(config.data.max_seq_length, longest or config.data.max_seq_length)  # halving more cuts nothing
     if length // 2 >= 2:
-        hints.append(f"--max-seq-length {length // 2}")
+        hints.append((f"--max-seq-length {length // 2}", "force"))
     if not config.model.loss_chunk and config.adapter.finetune == "full":  # adapters' heads chunk anyway
-        hints.append("--loss-chunk 1024")
+        hints.append(("--loss-chunk 1024", ""))
     if config.train.clear_cache_above != 0:
-        hints.append("--clear-cache-above 0")
+        hints.append(("--clear-cache-above 0", ""))
     if config.adapter.finetune == "full":
         whole_layers = WHOLE_LAYERS in config.adapter.targets  # a target LoRA cannot take
-        hints.append("--finetune lora" + (" --targets default" if whole_layers else ""))
+        hints.append(("--finetune lora" + (" --targets default" if whole_layers else ""), "new"))
     elif not config.model.quantize and not quantized:
-        hints.append("--quantize 4")
-    return "lower memory with " + ", or ".join(hints)
+        hints.append(("--quantize 4", "new"))
+    if resume is None:
+        return "lower memory with " + ", or ".join(flags for flags, _ in hints)
+    resumable = [flags + (" and --force" if needs == "force" else "") for flags, needs in hints if needs != "new"]
+    fresh = [flags for flags, needs in hints if needs == "new"]
+    ways = [f"lower memory with {', or '.join(resumable)}, and continue with --resume {resume}"] if resumable else []
+    if fresh:
+        ways.append(("or " if ways else "") + f"start a new run with {', or '.join(fresh)}")
+    return "; ".join(ways)

@@ -225,6 +225,7 @@ class Trainer:
         if self.world.any(refusal is not None):  # the other ranks read `latest` once rank 0 has put it right
             raise refusal or UserError(f"rank 0 cannot use --output-dir {self.run_dir}; see its message")
         resume_from = checkpoint.resolve_checkpoint(t.resume, self.run_dir) if t.resume else None
+        self.resumed_from = resume_from  # where a run stopped before its first checkpoint continues from
         check_output_dir(self.run_dir, t.overwrite, resume_from, self.world.is_main)
         if datasets is None:
             self.train_file, self.valid_file = data.resolve_files(
@@ -527,11 +528,13 @@ class Trainer:
             return self._train()
         except RuntimeError as err:
             if memory.is_out_of_memory(err):
-                raise TrainingStopped(
-                    f"out of memory at step {self.step_count + 1} ({first_line(err)}); "
-                    + self._advice(self.memory_limit)
-                    + f"; then --resume {self.run_dir / checkpoint.LATEST} to continue from the last checkpoint",
-                    1, None) from err
+                latest = self.run_dir / checkpoint.LATEST
+                resume = latest if latest.exists() else self.resumed_from
+                advice = self._advice(self.memory_limit, resume=resume)
+                if resume is None:
+                    advice += " (no checkpoint was saved: the run starts again)"
+                raise TrainingStopped(f"out of memory at step {self.step_count + 1} ({first_line(err)}); {advice}",
+                                      1, None) from err
             if self.world.size == 1:
                 raise
             raise distributed.PeerLost(f"rank {self.world.rank}: {first_line(err)}; another rank failed "
@@ -759,9 +762,10 @@ class Trainer:
             self.reporter.info(f"memory: allocator cache kept under {limit / memory.GB:.2f} GB (the estimated peak "
                                "and a quarter); --cache-limit sets another")
 
-    def _advice(self, limit: float) -> str:
+    def _advice(self, limit: float, resume: Path | None = None) -> str:
         return memory.advice(self.config, self.estimate, limit, ranks=self.world.size,
-                             quantized=models.is_quantized(self.model), longest=int(max(self.train_set.lengths)))
+                             quantized=models.is_quantized(self.model), longest=int(max(self.train_set.lengths)),
+                             resume=None if resume is None else str(resume))
 
     def _check_memory_limit(self) -> None:
         peak, limit = mx.get_peak_memory(), self.memory_limit

@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -565,6 +566,25 @@ def test_out_of_memory_stops_with_advice(llama_dir, tmp_path, monkeypatch):
     message = str(stopped.value)
     assert stopped.value.exit_code == 1 and "\n" not in message
     assert "out of memory" in message and "--batch-size 1" in message and "--grad-checkpoint" not in message
+    # Nothing to resume from: the advice says so rather than name a `latest` that is not there.
+    assert "--resume" not in message and message.endswith("(no checkpoint was saved: the run starts again)")
+
+
+def test_out_of_memory_advice_resumes_only_with_what_resume_takes(llama_dir, tmp_path, monkeypatch):
+    run = trainer(llama_dir, tmp_path, batch_size=2, longest=64)
+    run.train()  # its final checkpoint is what `latest` names
+
+    def exhausted(*_):
+        raise RuntimeError("[metal::malloc] Unable to allocate 68719476736 bytes.")
+
+    monkeypatch.setattr(run, "_train", exhausted)
+    with pytest.raises(TrainingStopped) as stopped:
+        run.train()
+    resumable, fresh = str(stopped.value).split("; or start a new run with ")
+    assert f"and continue with --resume {run.run_dir / 'latest'}" in resumable
+    # A resume refuses another batch or sequence length without --force, and any quantization.
+    assert "(same effective batch) and --force" in resumable and re.search(r"--max-seq-length \d+ and --force", resumable)
+    assert "with --grad-checkpoint, or" in resumable and "--quantize" not in resumable and fresh == "--quantize 4"
 
 
 def test_device_is_named():
