@@ -404,6 +404,39 @@ def check_recompute_mlp(model: nn.Module, recompute_mlp: bool) -> None:
                         f"{', '.join(models.LAYER_PARTS)}); drop --recompute-mlp, or use --grad-checkpoint")
 
 
+def check_mlps_to_recompute(model: nn.Module, adapter, first: int = 0) -> None:
+    """Refuse --recompute-mlp where ``adapter`` (an :class:`mlxft.config.AdapterConfig`) leaves
+    no MLP of ``model``'s first ``first`` layers (0 = every layer) that :func:`recomputed_mlp`
+    takes, three plain LoRA projections: the run would say it recomputes them and keep
+    everything, as before it said so. Read from the config, before the model changes."""
+    from mlxft import lora
+
+    check_recompute_mlp(model, True)
+    parts = models.LAYER_PARTS[models.family(model)]
+    projections = [f"{parts.mlp}.{name}" for name in parts.projections]
+    if adapter.finetune != "lora":
+        why = (f"--finetune {adapter.finetune} trains " + ("DoRA layers" if adapter.finetune == "dora"
+                                                             else "the weights themselves"),
+               "--grad-checkpoint, which recomputes whole layers")
+    elif adapter.dropout > 0:
+        why = (f"adapter.dropout is {adapter.dropout} (its masks are not recomputed)", "--dropout 0")
+    else:
+        adapted = lora.selected_layers(model, adapter.num_layers)
+        targets = lora.resolve_targets(adapter.targets, lora.linear_names(adapted))
+        untargeted = [name for name in projections if name not in targets]
+        recomputed = {id(layer) for layer in models.first_layers(model, first, "model.recompute_mlp_layers")}
+        if untargeted:
+            why = (f"adapter.targets leave {', '.join(untargeted)} without LoRA", f"--targets {','.join(projections)} "
+                   "as well")
+        elif not any(id(layer) in recomputed for layer in adapted):
+            why = (f"adapter.num_layers {adapter.num_layers} adapts none of the first {first} layers",
+                   "--recompute-mlp-layers 0")
+        else:
+            return
+    raise UserError(f"config field model.recompute_mlp: it recomputes MLPs whose {', '.join(parts.projections)} are "
+                    f"plain LoRA layers, and {why[0]}; drop --recompute-mlp, or use {why[1]}")
+
+
 def enable(model: nn.Module, recompute_mlp: bool = False, first: int = 0) -> bool:
     """Give a supported family's MLPs :func:`swiglu` (same weights, same function) and its
     attention the written-out softmax; returns whether it applied. The MLPs change per

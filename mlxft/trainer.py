@@ -145,9 +145,8 @@ def _check_model_settings(model, config: RunConfig) -> None:
     """What the model's family or depth refuses of the config, before the model changes (a
     refused run leaves a model the caller passed in as it was)."""
     m = config.model
-    fastmath.check_recompute_mlp(model, m.recompute_mlp)
     if m.recompute_mlp:
-        models.first_layers(model, m.recompute_mlp_layers, "model.recompute_mlp_layers")
+        fastmath.check_mlps_to_recompute(model, config.adapter, m.recompute_mlp_layers)
     if m.grad_checkpoint:
         models.first_layers(model, m.checkpoint_layers, "model.checkpoint_layers")
         models.check_keep_mlp(model, m.checkpoint_keep_mlp)

@@ -1,11 +1,13 @@
 """--recompute-mlp: the MLP's gate and up projections computed again in the backward pass."""
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlxft import RunConfig, fastmath, lora, memory, models, normed
 from mlxft.config import AdapterConfig, validate
@@ -120,3 +122,25 @@ def test_a_family_it_cannot_reach_is_refused_before_the_model_changes(llama_dir,
     with pytest.raises(UserError, match="model.recompute_mlp: not supported for qwen2 models"):
         Trainer(config, model, tokenizer, datasets=(Dataset(Path("rows"), rows, "completion"), None))
     assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())
+
+
+@pytest.mark.parametrize("adapter,first,reason", [
+    ({"finetune": "full"}, 0, "--finetune full trains the weights themselves"),
+    ({"finetune": "dora"}, 0, "--finetune dora trains DoRA layers"),
+    ({"dropout": 0.1}, 0, "adapter.dropout is 0.1"),
+    ({"targets": ["attn", "mlp.down_proj"]}, 0, "adapter.targets leave mlp.gate_proj, mlp.up_proj without LoRA"),
+    ({"num_layers": 1}, 1, "adapter.num_layers 1 adapts none of the first 1 layers"),
+])
+def test_a_run_whose_adapters_it_cannot_recompute_is_refused(llama_dir, tmp_path, adapter, first, reason):
+    # Each of these trained as without --recompute-mlp while config.yaml said it recomputed.
+    from mlx_lm import load
+
+    model, tokenizer = load(str(llama_dir))
+    rows = [Example(np.arange(3, 19, dtype=np.int32), np.arange(16) >= 8) for _ in range(4)]
+    config = RunConfig.from_dict({"model": {"recompute_mlp": True, "recompute_mlp_layers": first}, "adapter": adapter,
+                                  "train": {"output_dir": str(tmp_path / "run"), "batch_size": 2, "max_steps": 1,
+                                            "exact_match_rows": 0}})
+    trainable = {name for name, _ in tree_flatten(model.trainable_parameters())}
+    with pytest.raises(UserError, match=f"model.recompute_mlp: .*, and {re.escape(reason)}.*; drop --recompute-mlp"):
+        Trainer(config, model, tokenizer, datasets=(Dataset(Path("rows"), rows, "completion"), None))
+    assert {name for name, _ in tree_flatten(model.trainable_parameters())} == trainable  # as it came
