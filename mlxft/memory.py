@@ -503,13 +503,19 @@ def _smaller_batch_hint(batch_size: int, accum: int, ranks: int) -> str | None:
     return None
 
 
+LOSS_CHUNK_HINT = 1024  # supervised positions a chunk: what the advice offers a trained head
+
+
 def advice(config, estimate: Estimate | None = None, limit: float | None = None, ranks: int = 1,
-           quantized: bool = False, longest: int | None = None, resume: str | None = None) -> str:
+           quantized: bool = False, longest: int | None = None, resume: str | None = None,
+           scored_at_once: int = 0) -> str:
     """The settings that bring a run's memory down, most effective first. Given the run's
     ``estimate`` and the ``limit`` it passed, recomputation is advised for as few layers as fit
     (the rest keep their activations and their speed), and ``--recompute-mlp`` for as few
     layers' MLPs as fit, first when checkpointing would take more than half of the layers.
     ``longest``: the training set's longest row, which a shorter --max-seq-length must cut.
+    ``scored_at_once``: the positions the largest micro-batch's loss scores through a trained
+    output head in one piece, which --loss-chunk would score a chunk at a time (0: none).
     ``resume``: the checkpoint a stopped run continues from, with which the advice says which
     settings a resume takes, which need its ``--force`` and which only a new run can have."""
     hints = []  # (flags, what resuming with them needs: "" nothing, "force" or "new" a new run)
@@ -528,8 +534,8 @@ def advice(config, estimate: Estimate | None = None, limit: float | None = None,
     length = min(config.data.max_seq_length, longest or config.data.max_seq_length)  # halving more cuts nothing
     if length // 2 >= 2:
         hints.append((f"--max-seq-length {length // 2}", "force"))
-    if not config.model.loss_chunk and config.adapter.finetune == "full":  # adapters' heads chunk anyway
-        hints.append(("--loss-chunk 1024", ""))
+    if scored_at_once > LOSS_CHUNK_HINT:  # frozen heads chunk anyway, and fewer make one chunk
+        hints.append((f"--loss-chunk {LOSS_CHUNK_HINT}", ""))
     if config.train.clear_cache_above != 0:
         hints.append(("--clear-cache-above 0", ""))
     if config.adapter.finetune == "full":

@@ -29,7 +29,7 @@ from mlxft import (_blas, _gpu, builtin, checkpoint, data, distributed, fastmath
 from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError, first_line, print_error
 from mlxft.gguf import check_output_apart
-from mlxft.loss import cross_entropy, evaluation_loss, hidden_loss, loss_fn
+from mlxft.loss import cross_entropy, evaluation_loss, frozen_head, hidden_loss, loss_fn
 from mlxft.optim import build_optimizer
 from mlxft.report import Reporter
 from mlxft.signals import Interrupted, StopRequests
@@ -438,14 +438,20 @@ class Trainer:
                 return
             first = fewest(self.config, self.estimate, limit)
 
-    def estimate_memory(self) -> memory.Estimate:
-        """Peak memory of this run's largest micro-batch (see :func:`mlxft.memory.estimate`)."""
+    def _largest_micro_batch(self) -> tuple[int, int, int]:
+        """Rows, padded length and (padded) supervised positions of the largest micro-batch a
+        rank can get: its longest row's, and its rows with the most supervised tokens."""
         c, examples = self.config, self.train_set.examples
         per_rank = c.train.batch_size // self.world.size
-        longest = max(len(e.ids) for e in examples) - 1
-        length = data.round_up(longest, c.data.length_bucket)
+        length = data.round_up(max(len(e.ids) for e in examples) - 1, c.data.length_bucket)
         supervised = sorted((int(e.mask[1:].sum()) for e in examples), reverse=True)[:per_rank]
-        padded = data.padded_supervised_count(sum(supervised), per_rank * length, c.data.length_bucket)
+        return per_rank, length, data.padded_supervised_count(sum(supervised), per_rank * length,
+                                                              c.data.length_bucket)
+
+    def estimate_memory(self) -> memory.Estimate:
+        """Peak memory of this run's largest micro-batch (see :func:`mlxft.memory.estimate`)."""
+        c = self.config
+        per_rank, length, padded = self._largest_micro_batch()
         targets = mx.zeros((padded,), mx.int32)
         weights = mx.ones(targets.shape)
 
@@ -762,9 +768,12 @@ class Trainer:
                                "and a quarter); --cache-limit sets another")
 
     def _advice(self, limit: float, resume: Path | None = None) -> str:
+        # A trained head's loss, unless chunked, scores the micro-batch's positions at once.
+        trained_head = models.output_head(self.model) is not None and frozen_head(self.model) is None
+        scored_at_once = self._largest_micro_batch()[2] if trained_head and not self.config.model.loss_chunk else 0
         return memory.advice(self.config, self.estimate, limit, ranks=self.world.size,
                              quantized=models.is_quantized(self.model), longest=int(max(self.train_set.lengths)),
-                             resume=None if resume is None else str(resume))
+                             resume=None if resume is None else str(resume), scored_at_once=scored_at_once)
 
     def _check_memory_limit(self) -> None:
         peak, limit = mx.get_peak_memory(), self.memory_limit

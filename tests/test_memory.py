@@ -110,6 +110,20 @@ def test_full_fine_tuning_estimate_prices_the_optimizer_update(wider_model, tmp_
     assert 0.75 <= run.estimate.total / measured <= 1.25, (run.estimate.describe(), measured / memory.GB)
 
 
+def test_loss_chunk_is_advised_only_where_it_would_split_a_trained_heads_loss(llama_dir, tmp_path):
+    # Full fine-tuning trains the head, whose loss scores the micro-batch at once unless chunked;
+    # a micro-batch of fewer supervised positions than a chunk would be scored as before.
+    settings = {"finetune": "full", "memory_estimate": False}
+    short = trainer(llama_dir, tmp_path / "short", batch_size=2, longest=64, **settings)
+    assert "--loss-chunk" not in short._advice(memory.GB)
+    long = trainer(llama_dir, tmp_path / "long", batch_size=8, longest=512, **settings)
+    assert long._largest_micro_batch()[2] > memory.LOSS_CHUNK_HINT
+    assert "--loss-chunk 1024" in long._advice(memory.GB)
+    chunked = trainer(llama_dir, tmp_path / "chunked", batch_size=8, longest=512, loss_chunk=2048, **settings)
+    adapters = trainer(llama_dir, tmp_path / "adapters", batch_size=8, longest=512, memory_estimate=False)
+    assert "--loss-chunk" not in chunked._advice(memory.GB) + adapters._advice(memory.GB)  # frozen heads chunk anyway
+
+
 def test_checkpointing_lowers_the_estimated_activations(wider_model, tmp_path):
     plain = trainer(wider_model, tmp_path / "a").estimate
     checkpointed = trainer(wider_model, tmp_path / "b", grad_checkpoint=True).estimate
