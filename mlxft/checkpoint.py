@@ -499,6 +499,21 @@ def _moved_aside(hidden: Path, name: str) -> Path | None:
     return moved if [p.name for p in hidden.iterdir()] == [name] and moved.is_dir() and not moved.is_symlink() else None
 
 
+def moved_aside(path: Path) -> Path | None:
+    """The checkpoint a kill in the middle of re-saving ``path`` left moved aside, its
+    replacement never having arrived (:func:`recover_swaps` puts it back); None if there is none."""
+    path = Path(path)
+    if path.exists() or path.is_symlink() or not path.parent.is_dir():
+        return None
+    for hidden in sorted(path.parent.iterdir()):
+        match = _SWAPPED.match(hidden.name)
+        if match and match.group(1) == path.name and hidden.is_dir() and not hidden.is_symlink():
+            moved = _moved_aside(hidden, path.name)
+            if moved is not None and _checkpoint_state(moved) is not None:
+                return moved
+    return None
+
+
 def recover_swaps(run_dir: Path) -> list[str]:
     """Finish what a kill in the middle of swapping a checkpoint left: put a checkpoint that
     was moved aside back when its replacement never arrived, point ``latest`` from a held copy
@@ -600,6 +615,9 @@ def resolve_checkpoint(spec: str, run_dir: Path) -> Path:
         raise UserError(f"--resume latest: {run_dir} has no checkpoint yet; pass --resume PATH or check --output-dir")
     path = path.resolve()
     if not (path / TRAINER_STATE).is_file():
+        if moved_aside(path) is not None:  # a run in another directory does not recover this one's swaps
+            raise UserError(f"--resume {spec}: a save cut short moved {path.name} aside in {path.parent}; resume "
+                            f"with --output-dir {path.parent} once, which puts it back")
         raise UserError(f"--resume {spec}: {path} is not a checkpoint directory (no {TRAINER_STATE})")
     return path
 

@@ -76,11 +76,14 @@ def _checkpoint_config(args) -> Path:
     from mlxft import checkpoint
 
     resume = getattr(args, "train.resume")
-    found = checkpoint.resolve_checkpoint(
+    named = None if resume == checkpoint.LATEST else Path(resume).expanduser().resolve()
+    # A kill while re-saving it left it moved aside: its run puts it back before resuming.
+    aside = checkpoint.moved_aside(named) if named is not None else None
+    found = named if aside is not None else checkpoint.resolve_checkpoint(
         resume, Path(getattr(args, "train.output_dir", cfg.TrainConfig.output_dir)).expanduser())
     if not hasattr(args, "train.output_dir"):
         setattr(args, "train.output_dir", str(found.parent))
-    path = found / checkpoint.CONFIG_FILE
+    path = (aside or found) / checkpoint.CONFIG_FILE
     if not path.is_file():
         raise UserError(f"--resume {resume}: {found} has no {checkpoint.CONFIG_FILE} to take the run's settings from; "
                         "pass --config or --model and --data")

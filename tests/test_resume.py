@@ -1153,6 +1153,31 @@ def test_resume_latest_after_a_kill_mid_swap_finds_the_checkpoint_put_back(llama
     assert trainer.train().steps == 3
 
 
+def test_resume_by_name_after_a_kill_mid_swap_takes_the_settings_of_the_checkpoint_moved_aside(
+        llama_dir, uninterrupted, tmp_path, capsys):
+    from mlxft import train
+
+    out = tmp_path / "run"
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2)).train()
+    before = files(out / "final")
+    aside = Path(tempfile.mkdtemp(prefix=".final.", suffix=".old", dir=out))
+    os.replace(out / "final", aside / "final")  # re-saving final, killed before the new one arrived
+    # No --model, --data or --output-dir: the settings and the directory are the checkpoint's.
+    assert train.main(["--resume", str(out / "final"), "--max-steps", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert f"resumed from {(out / 'final').resolve()} at step 2" in printed and "done: 3 steps" in printed
+    assert not [p for p in out.iterdir() if p.name.endswith(".old")]
+    # Into another directory, which this run does not hold: the message says how to put it back.
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2, overwrite=True)).train()
+    before = files(out / "final")
+    aside = Path(tempfile.mkdtemp(prefix=".final.", suffix=".old", dir=out))
+    os.replace(out / "final", aside / "final")
+    elsewhere = config(llama_dir, uninterrupted[0], tmp_path / "other", max_steps=3, resume=str(out / "final"))
+    with pytest.raises(UserError, match=f"moved final aside in {out.resolve()}; resume with --output-dir "):
+        Trainer(elsewhere)
+    assert files(aside / "final") == before
+
+
 def test_recovery_leaves_directories_that_are_not_a_swaps_alone(tmp_path):
     tiny_checkpoint(tmp_path, "final", step=3)
     mine = [".final.notes123.old", ".final.v1.old", ".checkpoint-2.abcdefgh.old"]
