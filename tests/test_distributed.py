@@ -439,6 +439,7 @@ def test_the_memory_estimate_counts_as_local_work(monkeypatch):
     rows = [Example(np.arange(12, dtype=np.int32), np.arange(12) > 5) for _ in range(4)]
     trainer = SimpleNamespace(world=world, config=RunConfig(), train_set=SimpleNamespace(examples=rows), model=None,
                               optimizer=SimpleNamespace(state={}))
+    trainer._largest_micro_batch = lambda: Trainer._largest_micro_batch(trainer)
     assert Trainer.estimate_memory(trainer) is estimated
     assert depth == [1] and world._local_depth == 0
 
