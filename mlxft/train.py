@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         return lost.exit_code
     if not result.main_process:
         return 0
-    print(f"done: {result.steps} steps, train loss {result.train_loss if result.train_loss is not None else float('nan'):.4f}"
+    # A run resumed at its last step trains none: no training loss to show.
+    print(f"done: {result.steps} steps"
+          + (f", train loss {result.train_loss:.4f}" if result.train_loss is not None else "")
           + (f", val loss {result.val_loss:.4f}" if result.val_loss is not None else "") + f" -> {result.run_dir}")
     return 0
 

@@ -11,6 +11,7 @@ would. Evaluation, reporting and saving live in their own methods and modules.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import time
@@ -88,6 +89,21 @@ def continues_in(run_dir: Path, resume_from: Path | None) -> bool:
     if latest.is_symlink() or latest.exists():
         return checkpoint.run_id_of(latest.resolve()) in (None, run_id)
     return not any((run_dir / name).exists() for name in checkpoint.RUN_FILES)
+
+
+def _finished_in(run_dir: Path, resume_from: Path, state: dict) -> bool:
+    """Whether ``resume_from`` is the ``final`` checkpoint of the run in ``run_dir`` and that run
+    finished: trained, validated and not stopped, its run files written after it. A run stopped
+    at its end, or killed before its run files, has its end still to do."""
+    if resume_from.name != checkpoint.checkpoint_name(0, "final") or state.get("finished") is not True:
+        return False
+    if not continues_in(run_dir, resume_from):
+        return False
+    try:
+        written = json.loads((run_dir / checkpoint.STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(written, dict) and written.get("finished") is True and written.get("step") == state["step"]
 
 
 def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = None, main: bool = True) -> None:
@@ -293,6 +309,10 @@ class Trainer:
             if saved["state"]["step"] > self.total_steps:  # it would train nothing and save over `final`
                 raise UserError(f"--resume {t.resume}: the checkpoint is at step {saved['state']['step']}, past this "
                                 f"run's {self.total_steps} steps; raise --max-steps or --epochs to train further")
+            if saved["state"]["step"] == self.total_steps and _finished_in(self.run_dir, resume_from, saved["state"]):
+                # Nothing to train: it would only score and record the finished run a second time.
+                raise UserError(f"--resume {t.resume}: the run finished at step {self.total_steps}, its last; raise "
+                                "--max-steps or --epochs to train further")
         replacing = t.overwrite and self.world.is_main and self.run_dir.is_dir() and not continues_in(self.run_dir,
                                                                                                         resume_from)
         impostor = checkpoint.first_impostor_in(self.run_dir, self.total_steps) if replacing else None
@@ -334,6 +354,7 @@ class Trainer:
         self.best_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.last_val_step: int | None = None  # the step of the last validation that ran to its end
+        self.finished = False  # every step trained and validated, no stop: what `final` and the run files say
         self.stop = StopRequests()
         # Marks this run's checkpoints, so pruning never deletes another run's (or a user's) directories.
         self.run_id = uuid.uuid4().hex
@@ -583,6 +604,7 @@ class Trainer:
             if self.valid_set is not None and self.last_val_step != self.step_count:
                 self._evaluate()
             stopped = self.world.any(self.stop.requested)  # agreed first: no rank waits in it while rank 0 saves
+            self.finished = not stopped  # its end has run but for exact-match, which reads only what it saves
             path = self.save_checkpoint("final", run_files=True)
             if stopped or self.stop.requested:
                 self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
@@ -883,6 +905,7 @@ class Trainer:
             "step": self.step_count,
             "epoch": self.epoch,
             "total_steps": self.total_steps,
+            "finished": self.finished,
             "best_val_loss": self.best_val_loss,
             "learning_rate": self.learning_rate,
             "batch_size": c.train.batch_size,

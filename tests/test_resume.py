@@ -1178,6 +1178,25 @@ def test_resume_by_name_after_a_kill_mid_swap_takes_the_settings_of_the_checkpoi
     assert files(aside / "final") == before
 
 
+def test_a_finished_run_is_not_resumed_at_its_last_step_but_a_checkpoint_there_finishes_it(
+        llama_dir, uninterrupted, tmp_path, capsys):
+    from mlxft import train
+
+    out = tmp_path / "run"
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2, exact_match_rows=1)).train()
+    before = files(out)
+    # It scored the finished run and recorded it a second time, and printed "train loss nan".
+    with pytest.raises(UserError, match="--resume latest: the run finished at step 2, its last; raise --max-steps"):
+        Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2, exact_match_rows=1, resume="latest"))
+    assert files(out) == before
+    # A periodic checkpoint at the run's last step (as a kill before `final` leaves) still has
+    # the run's end to do, and trains no step to show a loss of.
+    Trainer(config(llama_dir, uninterrupted[0], out, max_steps=3, overwrite=True)).train()
+    capsys.readouterr()
+    assert train.main(["--resume", str(out / "checkpoint-2"), "--max-steps", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"done: 2 steps -> {out}"
+
+
 def test_recovery_leaves_directories_that_are_not_a_swaps_alone(tmp_path):
     tiny_checkpoint(tmp_path, "final", step=3)
     mine = [".final.notes123.old", ".final.v1.old", ".checkpoint-2.abcdefgh.old"]
