@@ -136,8 +136,8 @@ def load_adapter_dir(path) -> tuple[dict[str, mx.array], AdapterSpec]:
     run_config = path / checkpoint.CONFIG_FILE
     if run_config.is_file() and spec.source == "mlxft":
         try:
-            saved = yaml.safe_load(run_config.read_text())
-        except (OSError, yaml.YAMLError):
+            saved = yaml.safe_load(run_config.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError, yaml.YAMLError):  # ValueError: not UTF-8
             saved = None
         # Only used for defaults (quantization); the adapter itself is fine without it.
         spec.run_config = saved if isinstance(saved, dict) and saved else None

@@ -309,6 +309,16 @@ def _peft_dir(path, r, config, layers=(0, 1), mods=(("self_attn.q_proj", 64), ("
     return path
 
 
+def test_a_run_config_that_is_not_utf8_is_passed_over_like_one_that_is_not_yaml(llama_dir, runs_root, tmp_path):
+    # Only its defaults are read; a Latin-1 byte (an editor's save) was a UnicodeDecodeError.
+    run = tmp_path / "run"
+    shutil.copytree(synthetic_run(runs_root, llama_dir), run)
+    with open(run / "config.yaml", "ab") as f:
+        f.write(b"# notes: caf\xe9\n")
+    weights, spec = adapters.load_adapter_dir(run)
+    assert weights and spec.run_config is None
+
+
 def test_alpha_hint_of_a_scale_refusal_is_accepted(llama_dir, tmp_path):
     # rsLoRA r=32, lora_alpha=32: scale 32/sqrt(32), alpha = 181.0193...; ':g' printed 181.019.
     peft_dir = _peft_dir(tmp_path / "peft", 32, {"lora_alpha": 32, "use_rslora": True})
