@@ -41,6 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxft.errors import UserError
+from mlxft.gguf_tokenizer import DAMAGED as _DAMAGED
 from mlxft.gguf_tokenizer import build_tokenizer, build_tokenizer_config
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ _BLOCK_NAMES = {
 # weight/bias are the tensor itself; scales/biases are MLX's quantization companions.
 _SUFFIXES = ("weight", "bias", "scales", "biases")
 # The end of every message about a GGUF whose metadata or tensors do not fit together.
-_DAMAGED = "the file is damaged or not a llama.cpp model"
+_LONGEST_NAME = 1 << 16  # bytes; llama.cpp's tensor names are at most 64 (GGML_MAX_NAME)
 # Tensors llama.cpp writes that carry no weights mlx-lm needs.
 _IGNORED_TENSORS = {"rope_freqs.weight"}
 
@@ -186,6 +187,8 @@ def scan_tensors(path: str | os.PathLike) -> dict[str, TensorInfo]:
         entries = []
         for _ in range(n_tensors):
             (length,) = read("Q")
+            if length > _LONGEST_NAME:  # a corrupt length would ask for gigabytes
+                raise ValueError(f"a tensor name of {length} bytes")
             name = f.read(length).decode("utf-8", "replace")
             (n_dims,) = read("I")
             if n_dims > 4:  # GGML_MAX_DIMS
@@ -275,9 +278,9 @@ def read_gguf(
         raise UserError(f"{path}: GGUF file not found; check the path")
     try:
         infos = scan_tensors(path)
-    except (ValueError, OSError, UnicodeDecodeError) as err:
+    except (ValueError, OSError, OverflowError, MemoryError) as err:  # past the end, past any integer
         raise UserError(
-            f"{path}: not a readable GGUF file ({err}); re-download or re-export it"
+            f"{path}: not a readable GGUF file ({err or type(err).__name__}); re-download or re-export it"
         ) from None
     types = {name: info.type for name, info in infos.items()}
     _check_tensor_types(path, types)

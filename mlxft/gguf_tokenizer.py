@@ -14,6 +14,8 @@ from typing import Any
 
 from mlxft.errors import UserError
 
+DAMAGED = "the file is damaged or not a llama.cpp model"  # how mlxft.gguf's messages end too
+
 log = logging.getLogger(__name__)
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_attr enum in the file format).
@@ -76,6 +78,21 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
     return [(left, right) for *_, left, right in merges]
 
 
+def _check_per_token(meta, key: str, values: list, tokens: list[str]) -> None:
+    if len(values) != len(tokens):
+        raise UserError(f"{meta.path}: GGUF metadata {key!r} has {len(values)} entries for {len(tokens)} tokens; "
+                        f"{DAMAGED}")
+
+
+def _token_id(meta, key: str, tokens: list[str], default: int | None = None) -> int | None:
+    """The token id under ``key``, which must name one of ``tokens``."""
+    token_id = meta.get_int(key, default)
+    if token_id is not None and not 0 <= token_id < len(tokens):
+        raise UserError(f"{meta.path}: GGUF metadata {key!r} is {token_id}, past the {len(tokens)} tokens; "
+                        f"{DAMAGED}")
+    return token_id
+
+
 def build_tokenizer(meta):
     """A ``tokenizers.Tokenizer`` equivalent to the GGUF's vocabulary (gpt2 BPE or llama SPM)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
@@ -83,6 +100,7 @@ def build_tokenizer(meta):
     model_kind = meta.get_str("tokenizer.ggml.model", required=True)
     tokens = meta.get_list("tokenizer.ggml.tokens", required=True)
     types = meta.get_list("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    _check_per_token(meta, "tokenizer.ggml.token_type", types, tokens)
 
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
@@ -94,6 +112,10 @@ def build_tokenizer(meta):
     if model_kind == "gpt2":
         merges = meta.get_list("tokenizer.ggml.merges", required=True)
         merges = [tuple(m.split(" ", 1)) for m in merges]
+        broken = next((i for i, pair in enumerate(merges) if len(pair) != 2), None)
+        if broken is not None:
+            raise UserError(f"{meta.path}: GGUF metadata 'tokenizer.ggml.merges' entry {broken} "
+                            f"({merges[broken][0]!r}) is not two pieces apart; {DAMAGED}")
         pre_tokenizer, ignore_merges = _bpe_pre_tokenization(meta)
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
         tokenizer.pre_tokenizer = pre_tokenizer
@@ -101,7 +123,8 @@ def build_tokenizer(meta):
         byte_level = True
     elif model_kind == "llama":
         scores = meta.get_list("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        unk_id = meta.get_int("tokenizer.ggml.unknown_token_id", 0)
+        _check_per_token(meta, "tokenizer.ggml.scores", scores, tokens)
+        unk_id = _token_id(meta, "tokenizer.ggml.unknown_token_id", tokens, 0)
         tokenizer = Tokenizer(models.BPE(
             vocab=vocab, merges=_spm_merges(tokens, scores, types),
             unk_token=tokens[unk_id], byte_fallback=True, fuse_unk=True,
@@ -128,10 +151,11 @@ def build_tokenizer(meta):
     tokenizer.add_special_tokens(special)
     tokenizer.add_tokens(added)
 
-    bos_id = meta.get_int("tokenizer.ggml.bos_token_id")
-    eos_id = meta.get_int("tokenizer.ggml.eos_token_id")
+    # Checked only where added: tokenizer_config.json leaves out an id past the vocabulary.
     add_bos = meta.get_bool("tokenizer.ggml.add_bos_token", model_kind == "llama")
     add_eos = meta.get_bool("tokenizer.ggml.add_eos_token", False)
+    bos_id = _token_id(meta, "tokenizer.ggml.bos_token_id", tokens) if add_bos else None
+    eos_id = _token_id(meta, "tokenizer.ggml.eos_token_id", tokens) if add_eos else None
     single, pair, specials = "$A", "$A:0 $B:1", []
     if add_bos and bos_id is not None:
         bos = tokens[bos_id]

@@ -448,8 +448,27 @@ def bad_inputs(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
                         "tensor blk.5.attn_q.weight belongs to a block past the 2"),
         "wrong-shape": (variant("shape", tensors={"blk.0.attn_q.weight": mx.zeros((32, 64))}),
                         "tensor blk.0.attn_q.weight has shape (32, 64) where the metadata implies (64, 64)"),
+        # Token ids past the vocabulary, and lists that do not match it, were IndexErrors and a
+        # merge without its space a TypeError from the tokenizers library.
+        "bos-past-vocabulary": (variant("bos", {"tokenizer.ggml.bos_token_id": u32(99999),
+                                                "tokenizer.ggml.add_bos_token": mx.array(True)}),
+                                "'tokenizer.ggml.bos_token_id' is 99999, past the"),
+        "merge-in-one-piece": (variant("merge", {"tokenizer.ggml.merges": MERGES + ["ab"]}),
+                               f"'tokenizer.ggml.merges' entry {len(MERGES)} ('ab') is not two pieces apart"),
+        "unknown-past-vocabulary": (variant("unk", {**spm_tokenizer_metadata(),
+                                                    "tokenizer.ggml.unknown_token_id": u32(100000)}),
+                                    "'tokenizer.ggml.unknown_token_id' is 100000, past the"),
+        "scores-short": (variant("scores", {**spm_tokenizer_metadata(), "tokenizer.ggml.scores": mx.array([0.0, 1.0])}),
+                         "'tokenizer.ggml.scores' has 2 entries for"),
     }
-    return {**damaged,
+    # A tensor name's length read as 2**40 or 2**63 bytes: a MemoryError or an OverflowError.
+    long_names = {}
+    at = data.index(b"token_embd.weight") - 8
+    for power in (40, 63):
+        path = tmp_path / f"name-length-{power}.gguf"
+        path.write_bytes(data[:at] + struct.pack("<Q", 2**power + 5) + data[at + 8:])
+        long_names[f"name-length-{power}"] = (path, "not a readable GGUF file")
+    return {**damaged, **long_names,
         "missing": (tmp_path / "nope.gguf", "not found"),
         "truncated": (truncated, "past the end of the file"),
         "header-cut": (header_cut, "not a readable GGUF"),
