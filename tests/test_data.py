@@ -352,6 +352,19 @@ def test_reasoning_content_is_supervised_in_every_turn_the_template_shows_it(tok
                             (inline, ["2<|im_end|>\n", expected])):
         ids, mask = encode_chat(tokenizer, messages, True, "test")
         assert supervised_spans(tokenizer, ids, mask) == spans
+    # A turn of reasoning and a tool call with no answer text (an agent's step), or of reasoning
+    # alone: after earlier turns its reasoning was shown but not a target.
+    planned = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "reasoning_content": "look it up", "tool_calls": TOOL_CALL},
+               {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+    for chat in (planned, earlier + planned):
+        spans = supervised_spans(tokenizer, *encode_chat(tokenizer, chat, True, "test"))
+        assert spans[-2] == "<think>\nlook it up\n</think>\n\n" + TOOL_CALL_TEXT, spans
+        assert spans[-1].endswith("It is sunny.<|im_end|>\n"), spans
+    thought = [turn[0], {"role": "assistant", "content": "", "reasoning_content": "add them"}]
+    for chat in (thought, earlier + thought):
+        spans = supervised_spans(tokenizer, *encode_chat(tokenizer, chat, True, "test"))
+        assert spans[-1] == "<think>\nadd them\n</think>\n\n<|im_end|>\n", spans
 
 
 def test_a_chat_rows_tools_reach_the_template_in_training_and_exact_match(tokenizer, tmp_path):
