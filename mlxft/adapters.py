@@ -615,6 +615,22 @@ class Loaded:
     spec: AdapterSpec | None
 
 
+def run_task(spec: AdapterSpec | None) -> str | None:
+    """What the mlxft run behind ``spec`` trained on (``chat``, ``completion`` or ``text``), as
+    its training state records it; None where nothing does."""
+    if spec is None or spec.source != "mlxft":
+        return None
+    for name in (checkpoint.STATE_FILE, checkpoint.TRAINER_STATE):  # a run's directory, a checkpoint's
+        try:
+            state = json.loads((spec.path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        task = state.get("task") if isinstance(state, dict) else None
+        if isinstance(task, str):
+            return task
+    return None
+
+
 def run_setting(spec: AdapterSpec | None, field: str, given, default, section: str = "data"):
     """A flag's value: as given, else what the mlxft run recorded in its config's ``section``
     (how it rendered and cut its rows, the dtype it computed in), else ``default``; so scoring

@@ -83,12 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     prompt, system = read_text(args.prompt, "--prompt", stdin=True), read_text(args.system, "--system")
     import mlx.core as mx
 
-    from mlxft.adapters import load_with_adapter, run_setting
+    from mlxft.adapters import load_with_adapter, run_setting, run_task
     from mlxft.generation import prompt_ids
 
     loaded = load_with_adapter(args.model, args.adapter, args.dtype, args.revision)
     mx.random.seed(args.seed)
-    prompt_format = run_setting(loaded.spec, "prompt_format", args.prompt_format, DataConfig.prompt_format)
+    # Chat rows are rendered with the chat template whatever the run's prompt_format, which
+    # shapes prompt/completion rows only: a run trained on chats is prompted as it learned.
+    given = args.prompt_format or ("chat" if run_task(loaded.spec) == "chat" else None)
+    prompt_format = run_setting(loaded.spec, "prompt_format", given, DataConfig.prompt_format)
     ids = prompt_ids(loaded.tokenizer, messages_for(prompt, system), prompt_format)
     last = None
     try:

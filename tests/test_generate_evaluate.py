@@ -4,6 +4,7 @@ the chat template, output streams; the loss is token-weighted and matches the tr
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -153,6 +154,29 @@ def test_evaluate_encodes_rows_as_the_run_did_unless_told_otherwise(llama_dir, r
     given = printed("--prompt-format", "auto", "--max-seq-length", "2048")  # flags given win
     assert given["tokens"] == as_default.tokens
     assert printed("--no-completion-only")["tokens"] > as_run.tokens
+
+
+def test_generate_prompts_a_run_trained_on_chats_with_the_chat_template(llama_dir, runs_root, tmp_path, capsys):
+    # Its prompt_format (raw here, from a reused config) shaped no row: chat rows always take the
+    # template. generate took it anyway, prompted "hi" raw and refused --system.
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run(runs_root, llama_dir), run)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["data"]["prompt_format"] = "raw"
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert json.loads((run / "training_state.json").read_text())["task"] == "chat"
+
+    def prompt_tokens(*flags):
+        capsys.readouterr()
+        assert generate_main(["--adapter", str(run), "--prompt", "hi", "--max-tokens", "1", "--verbose", *flags]) == 0
+        return int(re.search(r"prompt: (\d+) tokens", capsys.readouterr().err).group(1))
+
+    assert prompt_tokens() == prompt_tokens("--prompt-format", "chat") != prompt_tokens("--prompt-format", "raw")
+    assert prompt_tokens("--system", "be brief") > prompt_tokens()
 
 
 def test_chat_prompts_need_a_template_that_takes_them(tokenizer, monkeypatch):
