@@ -648,13 +648,16 @@ def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bo
                 continue
             examples.append(example)
     kind = _one_shape(path, kinds)
-    nothing = "empty text rows" if kind == "text" else "rows with no supervised token"
+    # A text row's first token is only context: one token (an end-of-text alone) teaches nothing.
+    nothing = "text rows with no token to predict (empty, or a single token)" if kind == "text" \
+        else "rows with no supervised token"
     if not examples:
         if truncated:  # the limit cut the answers off, not the data
             raise UserError(f"{path}: no row has a supervised token within max_seq_length={max_seq_length} "
                             f"({truncated} of {skipped} rows were cut); raise --max-seq-length")
         if kind == "text":
-            raise UserError(f"{path}: every row's text is empty; add text")
+            raise UserError(f"{path}: no row's text has a token to predict (each is empty or a single token); "
+                            "add text")
         raise UserError(f"{path}: no row has a supervised token (all {skipped} rows skipped); check completions / assistant turns")
     if split and warn:
         print(f"note: {path}: {split} text rows longer than max_seq_length={max_seq_length} were split into "

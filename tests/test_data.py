@@ -212,9 +212,13 @@ def test_empty_text_rows_are_skipped_whatever_the_tokenizer(tmp_path, tokenizer,
                         lambda text, add_special_tokens=True, **kw: (bos if add_special_tokens else [])
                         + encode(text, add_special_tokens=False, **kw))
     ds = load_dataset(write_jsonl(tmp_path / "t.jsonl", [{"text": ""}, {"text": "  "}, {"text": "a"}]), tokenizer, 64)
-    assert len(ds) == 1 and ds.skipped == 2 and "skipped 2 empty text rows" in capsys.readouterr().err
-    with pytest.raises(UserError, match="every row's text is empty; add text"):
-        load_dataset(write_jsonl(tmp_path / "e.jsonl", [{"text": ""}]), tokenizer, 64)
+    assert len(ds) == 1 and ds.skipped == 2
+    assert "skipped 2 text rows with no token to predict (empty, or a single token)" in capsys.readouterr().err
+    # An end-of-text alone is not empty, but one token has nothing after it to predict.
+    monkeypatch.undo()
+    for text in ("", "<|im_end|>"):
+        with pytest.raises(UserError, match=r"no row's text has a token to predict \(each is empty or a single token\)"):
+            load_dataset(write_jsonl(tmp_path / "e.jsonl", [{"text": text}]), tokenizer, 64)
 
 
 def test_a_pipe_is_named_as_one(tmp_path):
