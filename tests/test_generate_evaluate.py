@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -127,16 +128,23 @@ def test_evaluate_is_token_weighted_and_matches_the_trainer(llama_dir, runs_root
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_evaluate_encodes_rows_as_the_run_did_unless_told_otherwise(llama_dir, runs_root, tmp_path, capsys):
+def edited_run(runs_root, model_dir, tmp_path, section: str, **fields) -> Path:
+    """A copy of the trained run whose config.yaml records ``fields`` in ``section``, as a run
+    trained with those settings would."""
     import shutil
 
     import yaml
 
     run = tmp_path / "run"
-    shutil.copytree(trained_run(runs_root, llama_dir), run)
+    shutil.copytree(trained_run(runs_root, model_dir), run)
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    saved["data"].update(prompt_format="raw", max_seq_length=12)  # as a run trained with those would record
+    saved[section].update(fields)
     (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    return run
+
+
+def test_evaluate_encodes_rows_as_the_run_did_unless_told_otherwise(llama_dir, runs_root, tmp_path, capsys):
+    run = edited_run(runs_root, llama_dir, tmp_path, "data", prompt_format="raw", max_seq_length=12)
     rows = tmp_path / "qa.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"What is {i} plus {i}?", "completion": f" {2 * i}, of course."}) + "\n"
                             for i in range(4)))
@@ -159,15 +167,7 @@ def test_evaluate_encodes_rows_as_the_run_did_unless_told_otherwise(llama_dir, r
 def test_generate_prompts_a_run_trained_on_chats_with_the_chat_template(llama_dir, runs_root, tmp_path, capsys):
     # Its prompt_format (raw here, from a reused config) shaped no row: chat rows always take the
     # template. generate took it anyway, prompted "hi" raw and refused --system.
-    import shutil
-
-    import yaml
-
-    run = tmp_path / "run"
-    shutil.copytree(trained_run(runs_root, llama_dir), run)
-    saved = yaml.safe_load((run / "config.yaml").read_text())
-    saved["data"]["prompt_format"] = "raw"
-    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    run = edited_run(runs_root, llama_dir, tmp_path, "data", prompt_format="raw")
     assert json.loads((run / "training_state.json").read_text())["task"] == "chat"
 
     def prompt_tokens(*flags):
@@ -336,15 +336,10 @@ def test_prompts_that_are_not_utf8_are_one_line_errors(monkeypatch, capsys, tmp_
 def test_evaluate_computes_in_the_runs_dtype_and_names_a_damaged_setting(llama_dir, runs_root, tmp_path, capsys):
     # A run trained in bfloat16 was scored in float32 (the CPU's auto), so its loss was not the
     # trainer's; a config.yaml edited by hand was a TypeError traceback.
-    import shutil
-
     import yaml
 
-    run = tmp_path / "run"
-    shutil.copytree(trained_run(runs_root, llama_dir), run)
-    saved = yaml.safe_load((run / "config.yaml").read_text())
-    saved["model"]["dtype"] = "bfloat16"
-    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    run = edited_run(runs_root, llama_dir, tmp_path, "model", dtype="bfloat16")
+    saved = (run / "config.yaml").read_text()
     valid = data_dir(runs_root) / "valid.jsonl"
 
     def loss(dtype):
@@ -370,7 +365,7 @@ def test_evaluate_computes_in_the_runs_dtype_and_names_a_damaged_setting(llama_d
         (run / "config.yaml").write_text(yaml.safe_dump(broken))
         code, err = printed()
         assert code == 2 and f"{run / 'config.yaml'}: {message}" in err and "Traceback" not in err
-        (run / "config.yaml").write_text(yaml.safe_dump(saved))
+        (run / "config.yaml").write_text(saved)
 
 
 @pytest.mark.parametrize("damage", ["missing hidden_size", "layers as text", "not an object"])
