@@ -604,7 +604,7 @@ class Trainer:
             if self.valid_set is not None and self.last_val_step != self.step_count:
                 self._evaluate()
             stopped = self.world.any(self.stop.requested)  # agreed first: no rank waits in it while rank 0 saves
-            self.finished = not stopped  # its end has run but for exact-match, which reads only what it saves
+            self.finished = not stopped  # resuming its `final` would have nothing left to do (_finished_in)
             path = self.save_checkpoint("final", run_files=True)
             if stopped or self.stop.requested:
                 self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
