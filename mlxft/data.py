@@ -60,6 +60,9 @@ class Dataset:
     kind: str
     truncated: int = 0
     skipped: int = 0
+    lines: list[int] | None = None
+    """The file line each example comes from (a long text row's windows share one); None for
+    examples built in Python."""
     lengths: np.ndarray = field(init=False)
 
     def __post_init__(self):
@@ -628,6 +631,7 @@ def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bo
     skip rows with nothing supervised, saying so on stderr unless not ``warn`` (a data-parallel
     run's other ranks)."""
     examples: list[Example] = []
+    lines: list[int] = []
     kinds: dict[str, int] = {}
     truncated = skipped = split = 0
     for number, row in read_jsonl(path):
@@ -647,6 +651,7 @@ def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bo
                 skipped += 1
                 continue
             examples.append(example)
+            lines.append(number)
     kind = _one_shape(path, kinds)
     # A text row's first token is only context: one token (an end-of-text alone) teaches nothing.
     nothing = "text rows with no token to predict (empty, or a single token)" if kind == "text" \
@@ -667,7 +672,7 @@ def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bo
               f"max_seq_length={max_seq_length} and were truncated", file=sys.stderr)
     if skipped and warn:
         print(f"warning: {path}: skipped {skipped} {nothing}", file=sys.stderr)
-    return Dataset(path, examples, kind, truncated, skipped)
+    return Dataset(path, examples, kind, truncated, skipped, lines)
 
 
 def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int, shuffle: bool = True,

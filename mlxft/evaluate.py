@@ -97,14 +97,15 @@ def evaluate(model, tokenizer, path, *, batch_size: int = TrainConfig.batch_size
     dataset = data.load_dataset(path, tokenizer, max_seq_length, completion_only, prompt_format)
     was_training = model.training  # a research script's training loop keeps its dropout
     model.eval()
-    loss_sum, tokens, rows = mx.array(0.0), mx.array(0.0), 0
+    loss_sum, tokens, scored = mx.array(0.0), mx.array(0.0), set()
     try:
         for indices in data.epoch_batches(dataset.lengths, batch_size, 0, 0, shuffle=False, max_batches=max_batches):
             batch = data.make_batch([dataset.examples[j] for j in indices], batch_size, bucket)
             loss, ntokens = evaluation_loss(model, *batch.arrays(), chunk=loss_chunk)
             loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
             mx.eval(loss_sum, tokens)
-            rows += len(indices)  # --max-batches may stop short of the whole set
+            # --max-batches may stop short of the whole set; a long text row's windows are one row.
+            scored.update(dataset.lines[j] if dataset.lines else j for j in indices)
     finally:
         model.train(was_training)
     count = int(tokens.item())
@@ -112,7 +113,7 @@ def evaluate(model, tokenizer, path, *, batch_size: int = TrainConfig.batch_size
         raise UserError(f"{path}: no token was scored (no row has a supervised token); "
                         "give rows with completions or assistant turns, or pass --no-completion-only")
     loss = loss_sum.item() / count
-    return Evaluation(loss, perplexity(loss), count, rows, path)
+    return Evaluation(loss, perplexity(loss), count, len(scored), path)
 
 
 @run_cli

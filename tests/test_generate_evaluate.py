@@ -247,7 +247,7 @@ def test_evaluate_refuses_counts_past_what_training_takes(tokenizer, llama_dir, 
         assert err.count("\n") == 1 and err.startswith(f"error: {flag} must be")
 
 
-def test_evaluate_reports_the_rows_it_scored(tokenizer, runs_root, monkeypatch):
+def test_evaluate_reports_the_rows_it_scored(tokenizer, runs_root, monkeypatch, tmp_path):
     from mlxft import loss
 
     valid = data_dir(runs_root) / "valid.jsonl"
@@ -256,6 +256,10 @@ def test_evaluate_reports_the_rows_it_scored(tokenizer, runs_root, monkeypatch):
     assert evaluate(model, tokenizer, valid, batch_size=1, max_batches=1).rows == 1
     assert evaluate(model, tokenizer, valid, batch_size=2, max_batches=2).rows == 4
     assert evaluate(model, tokenizer, valid, batch_size=2).rows == 5
+    # A text row longer than --max-seq-length is scored in windows, which were counted as rows.
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "short row"}) + "\n" + json.dumps({"text": "a long row " * 40}) + "\n")
+    assert evaluate(model, tokenizer, text, max_seq_length=16).rows == 2
 
 
 def test_evaluate_defaults_to_the_trainers_declared_defaults(llama_dir, tmp_path, monkeypatch, capsys):
