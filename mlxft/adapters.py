@@ -621,11 +621,7 @@ def run_task(spec: AdapterSpec | None) -> str | None:
     if spec is None or spec.source != "mlxft":
         return None
     for name in (checkpoint.STATE_FILE, checkpoint.TRAINER_STATE):  # a run's directory, a checkpoint's
-        try:
-            state = json.loads((spec.path / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        task = state.get("task") if isinstance(state, dict) else None
+        task = (checkpoint.read_state(spec.path / name) or {}).get("task")
         if isinstance(task, str):
             return task
     return None

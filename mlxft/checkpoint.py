@@ -391,15 +391,22 @@ def _release_latest(run_dir: Path, held: Path, name: str) -> None:
         shutil.rmtree(held, ignore_errors=True)
 
 
+def read_state(path: Path) -> dict | None:
+    """The JSON object in a state file (:data:`STATE_FILE`, :data:`TRAINER_STATE`); None where
+    it is missing, unreadable or not an object."""
+    try:
+        state = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
 def _checkpoint_state(path: Path) -> dict | None:
     """The trainer state of an mlxft checkpoint directory; None for anything else."""
     if path.is_symlink() or not path.is_dir():
         return None
-    try:
-        state = json.loads((path / TRAINER_STATE).read_text())
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) and all(k in state for k in ("step", "batch_index", "total_steps")) else None
+    state = read_state(path / TRAINER_STATE)
+    return state if state is not None and all(k in state for k in ("step", "batch_index", "total_steps")) else None
 
 
 def run_id_of(path: Path) -> str | None:
@@ -499,19 +506,27 @@ def _moved_aside(hidden: Path, name: str) -> Path | None:
     return moved if [p.name for p in hidden.iterdir()] == [name] and moved.is_dir() and not moved.is_symlink() else None
 
 
+def _swapped_dirs(directory: Path) -> list[tuple[Path, str]]:
+    """The hidden directories a checkpoint swap in ``directory`` made (readable ones), each with
+    the name of the checkpoint it is for."""
+    return [(p, _SWAPPED.match(p.name).group(1)) for p in sorted(directory.iterdir())
+            if _SWAPPED.match(p.name) and p.is_dir() and not p.is_symlink() and os.access(p, os.R_OK | os.X_OK)]
+
+
+def _restorable(hidden: Path, name: str) -> Path | None:
+    """The checkpoint ``name`` that ``hidden`` holds, moved aside whole; None otherwise."""
+    moved = _moved_aside(hidden, name)
+    return moved if moved is not None and _checkpoint_state(moved) is not None else None
+
+
 def moved_aside(path: Path) -> Path | None:
     """The checkpoint a kill in the middle of re-saving ``path`` left moved aside, its
     replacement never having arrived (:func:`recover_swaps` puts it back); None if there is none."""
     path = Path(path)
     if path.exists() or path.is_symlink() or not path.parent.is_dir():
         return None
-    for hidden in sorted(path.parent.iterdir()):
-        match = _SWAPPED.match(hidden.name)
-        if match and match.group(1) == path.name and hidden.is_dir() and not hidden.is_symlink():
-            moved = _moved_aside(hidden, path.name)
-            if moved is not None and _checkpoint_state(moved) is not None:
-                return moved
-    return None
+    return next(filter(None, (_restorable(hidden, name) for hidden, name in _swapped_dirs(path.parent)
+                              if name == path.name)), None)
 
 
 def recover_swaps(run_dir: Path) -> list[str]:
@@ -526,13 +541,11 @@ def recover_swaps(run_dir: Path) -> list[str]:
     def latest_in(hidden: Path) -> bool:
         return link.is_symlink() and link.resolve() == hidden.resolve()
 
-    hidden = [(p, _SWAPPED.match(p.name).group(1)) for p in sorted(run_dir.iterdir())
-              if _SWAPPED.match(p.name) and p.is_dir() and not p.is_symlink() and os.access(p, os.R_OK | os.X_OK)]
+    hidden = _swapped_dirs(run_dir)
     restored = []
     for aside, name in hidden:  # first: a held copy is let go only once its checkpoint is back
-        moved = _moved_aside(aside, name)
-        if (moved is not None and _checkpoint_state(moved) is not None
-                and not (run_dir / name).exists() and not (run_dir / name).is_symlink()):
+        moved = _restorable(aside, name)
+        if moved is not None and not (run_dir / name).exists() and not (run_dir / name).is_symlink():
             os.replace(moved, run_dir / name)
             _fsync_dir(run_dir)
             restored.append(name)

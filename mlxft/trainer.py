@@ -11,7 +11,6 @@ would. Evaluation, reporting and saving live in their own methods and modules.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import signal
 import time
@@ -99,11 +98,8 @@ def _finished_in(run_dir: Path, resume_from: Path, state: dict) -> bool:
         return False
     if not continues_in(run_dir, resume_from):
         return False
-    try:
-        written = json.loads((run_dir / checkpoint.STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(written, dict) and written.get("finished") is True and written.get("step") == state["step"]
+    written = checkpoint.read_state(run_dir / checkpoint.STATE_FILE) or {}
+    return written.get("finished") is True and written.get("step") == state["step"]
 
 
 def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = None, main: bool = True) -> None:
