@@ -531,10 +531,8 @@ def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tup
                 kept = without_reasoning(body)
                 if kept.strip():
                     start = close - len(kept.lstrip())
-            # A turn of reasoning and tool calls alone: the reasoning is the model's to learn too.
-            start = _with_reasoning_before(full, header, start, spans[-1][1] if spans else 0)
-        else:
-            start = _with_reasoning_before(full, header, start, spans[-1][1] if spans else 0)
+        # The reasoning the template wrote before an answer (or before tool calls alone) is learned too.
+        start = _with_reasoning_before(full, header, start, spans[-1][1] if spans else 0)
         if start != end and end_of_turn and not full.startswith(end_of_turn, end):
             close = full.find(end_of_turn, end, limit)  # tool calls after the content, then its end-of-turn
             if close >= 0:

@@ -41,8 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxft.errors import UserError
-from mlxft.gguf_tokenizer import DAMAGED as _DAMAGED
-from mlxft.gguf_tokenizer import build_tokenizer, build_tokenizer_config
+from mlxft.gguf_tokenizer import DAMAGED as _DAMAGED, build_tokenizer, build_tokenizer_config
 
 log = logging.getLogger(__name__)
 
