@@ -7,6 +7,12 @@ linearly, step k at ``peak * k / W``, so step W uses the peak. Steps W+1..T then
 ``min + (peak - min) * (1 + cos(pi * progress)) / 2``, where ``min`` is ``min_learning_rate``.
 Step W+1 thus uses the peak and step T stays one decay step above ``min`` (which step T+1 would
 reach), so every step trains, even the only step of a one-step run.
+
+The schedule counts every optimizer step, applied or not. Adam's bias correction counts only
+the updates applied (:data:`APPLIED_KEY`): a step discarded for non-finite gradients or a
+window without a supervised token leaves the moments as they were, so they have been updated
+fewer times than the schedule has stepped, and correcting them by the step count would shrink
+every later update.
 """
 
 from __future__ import annotations
@@ -45,6 +51,59 @@ def learning_rate_at(step, config: OptimConfig, total_steps: int):
     return warm if step <= warmup else decayed
 
 
+APPLIED_KEY = "applied_updates"  # the optimizer state entry counting the updates applied
+
+
+class _CountsAppliedUpdates:
+    """Adam's update, bias-corrected by the count of updates applied rather than steps taken.
+
+    The count sits in the optimizer state, so the step's guard puts it back with the moments
+    when it discards an update, and checkpoints save it with them."""
+
+    def init(self, parameters):
+        super().init(parameters)
+        # A state a caller assigned without it (an older checkpoint's) takes every step it has
+        # taken as applied, as those runs computed. A copy: one array twice in the compiled
+        # step's state is one input the compiled function cannot tell apart.
+        self.state.setdefault(APPLIED_KEY, mx.array(self.step))
+
+    def apply_gradients(self, gradients, parameters):
+        if not self._initialized:
+            self.init(gradients)
+        self.state[APPLIED_KEY] = self.state[APPLIED_KEY] + 1
+        return super().apply_gradients(gradients, parameters)
+
+    def apply_single(self, gradient, parameter, state):
+        if not self.bias_correction:
+            return super().apply_single(gradient, parameter, state)
+        # MLX's Adam corrects by ``self.step``; the same arithmetic by the applied count.
+        lr = self.learning_rate.astype(gradient.dtype)
+        (b1, b2), applied = self.betas, self.state[APPLIED_KEY]
+        m = state["m"] = b1 * state["m"] + (1 - b1) * gradient
+        v = state["v"] = b2 * state["v"] + (1 - b2) * mx.square(gradient)
+        c1 = (lr / (1 - b1**applied)).astype(gradient.dtype)
+        c2 = mx.rsqrt(1 - b2**applied).astype(gradient.dtype)
+        return parameter - c1 * m / (mx.sqrt(v) * c2 + self.eps)
+
+
+class Adam(_CountsAppliedUpdates, optim.Adam):
+    """MLX's Adam, bias-corrected by the updates applied."""
+
+
+class AdamW(optim.AdamW, Adam):
+    """MLX's AdamW (its weight decay, then :class:`Adam`'s update)."""
+
+
+def load_state(optimizer: optim.Optimizer, saved: dict) -> None:
+    """Put a checkpoint's optimizer state (a tree) in place, into the dict the step holds.
+
+    Checkpoints from before the applied count have none: every step they took counts as
+    applied, which is what their runs' bias correction assumed."""
+    optimizer.state.update(saved)
+    if isinstance(optimizer, _CountsAppliedUpdates) and APPLIED_KEY not in saved and "step" in saved:
+        optimizer.state[APPLIED_KEY] = mx.array(saved["step"])
+
+
 def build_optimizer(config: OptimConfig, total_steps: int) -> optim.Optimizer:
     """The optimizer with the schedule attached (MLX passes the 0-based update count)."""
 
@@ -52,8 +111,8 @@ def build_optimizer(config: OptimConfig, total_steps: int) -> optim.Optimizer:
         return learning_rate_at(count + 1, config, total_steps)
 
     if config.optimizer == "adamw":
-        return optim.AdamW(learning_rate=schedule, weight_decay=config.weight_decay,
+        return AdamW(learning_rate=schedule, weight_decay=config.weight_decay,
                            bias_correction=config.bias_correction)
     if config.optimizer == "adam":
-        return optim.Adam(learning_rate=schedule, bias_correction=config.bias_correction)
+        return Adam(learning_rate=schedule, bias_correction=config.bias_correction)
     return optim.SGD(learning_rate=schedule, momentum=config.momentum, weight_decay=config.weight_decay)

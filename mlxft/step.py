@@ -34,7 +34,10 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_reduce, tree_unflatten
 
-_SCHEDULE_KEYS = ("step", "learning_rate")
+from mlxft.optim import APPLIED_KEY
+
+_SCHEDULE_KEYS = ("step", "learning_rate")  # advance with every step, applied or discarded
+_COUNTERS = _SCHEDULE_KEYS + (APPLIED_KEY,)  # the optimizer state's scalars, not per parameter
 
 
 MASTER_KEY = "_master_weights"  # the optimizer state entry of half-precision trainables' float32 masters
@@ -135,7 +138,7 @@ class FlatTrainables:
 
     def adopt_state(self, optimizer: optim.Optimizer) -> None:
         """Move per-parameter optimizer state (a restored checkpoint's) into flat moments, in place."""
-        per_param = {k: v for k, v in optimizer.state.items() if k not in _SCHEDULE_KEYS + (self.KEY, MASTER_KEY)}
+        per_param = {k: v for k, v in optimizer.state.items() if k not in _COUNTERS + (self.KEY, MASTER_KEY)}
         master = optimizer.state.get(MASTER_KEY)
         if isinstance(master, (dict, list)):  # per parameter: laid end to end like the parameters
             names = dict(tree_flatten(master))
@@ -155,7 +158,7 @@ class FlatTrainables:
         """The optimizer state per parameter, as a tree-laid optimizer would hold it (checkpoints)."""
         flat = optimizer.state.get(self.KEY, {})
         moments = {k: self.views(v) for k, v in flat.items()}
-        tree = {k: v for k, v in optimizer.state.items() if k in _SCHEDULE_KEYS}
+        tree = {k: v for k, v in optimizer.state.items() if k in _COUNTERS}
         tree.update(tree_map_with_path(lambda path, _: {k: moments[k][path] for k in moments}, self.template))
         if MASTER_KEY in optimizer.state:
             tree[MASTER_KEY] = self.unflatten(optimizer.state[MASTER_KEY])
@@ -255,7 +258,8 @@ def build_step(
         masters = dict(tree_flatten(optimizer.state.get(MASTER_KEY, {})))
         masters = {name: _synced(masters[name], p) for name, p in tree_flatten(old_params) if name in masters}
         current = tree_map_with_path(lambda name, p: masters.get(name, p), old_params)
-        # A structural copy: the optimizer rewrites its nested state dicts in place.
+        # A structural copy: the optimizer rewrites its nested state dicts in place. It holds the
+        # applied-update count too, which a discarded update puts back with the moments.
         old_moments = tree_map(lambda x: x, {k: v for k, v in optimizer.state.items()
                                              if k not in _SCHEDULE_KEYS and k != MASTER_KEY})
         new = optimizer.apply_gradients(grads, current)
@@ -276,6 +280,7 @@ def build_step(
         if max_grad_norm > 0:
             grads = grads * mx.minimum(max_grad_norm / (norm + 1e-6), 1.0)
         old_moments = dict(optimizer.state.get(FlatTrainables.KEY, {}))
+        old_applied = optimizer.state.get(APPLIED_KEY)
         master = optimizer.state.get(MASTER_KEY)
         current = params if master is None else _synced(master, params)
         new = optimizer.apply_gradients({FlatTrainables.KEY: grads}, {FlatTrainables.KEY: current})[FlatTrainables.KEY]
@@ -285,6 +290,8 @@ def build_step(
         if old_moments:
             moments = optimizer.state[FlatTrainables.KEY]
             optimizer.state[FlatTrainables.KEY] = {k: mx.where(finite, moments[k], old) for k, old in old_moments.items()}
+        if old_applied is not None:
+            optimizer.state[APPLIED_KEY] = mx.where(finite, optimizer.state[APPLIED_KEY], old_applied)
         return norm, finite
 
     @partial(mx.compile, inputs=state, outputs=state)

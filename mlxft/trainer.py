@@ -30,7 +30,7 @@ from mlxft.config import RunConfig, validate
 from mlxft.errors import UserError, first_line, print_error
 from mlxft.gguf import check_output_apart
 from mlxft.loss import cross_entropy, evaluation_loss, frozen_head, hidden_loss, loss_fn
-from mlxft.optim import build_optimizer
+from mlxft.optim import build_optimizer, load_state as load_optimizer_state
 from mlxft.report import Reporter
 from mlxft.signals import Interrupted, StopRequests
 from mlxft.step import LossScaler, build_step, gradient_tree, gradient_window, optimizer_state
@@ -969,7 +969,7 @@ class Trainer:
         checkpoint.apply_adapter_weights(self.model, saved["adapters"], str(path / checkpoint.ADAPTER_FILE))
         optimizer = dict(saved["optimizer"])
         self.optimizer.init(self.model.trainable_parameters())
-        self.optimizer.state.update(tree_unflatten(list(optimizer.items())))  # in place: the step holds this dict
+        load_optimizer_state(self.optimizer, tree_unflatten(list(optimizer.items())))
         if saved["window"] is not None:  # only a one-process run stops inside a window
             window = dict(saved["window"])
             loss_sum, tokens = window.pop("mlxft.loss_sum"), window.pop("mlxft.tokens")

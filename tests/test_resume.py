@@ -33,7 +33,7 @@ def config(model_dir, data_dir, out, **train):
         "model": {"model": str(model_dir)},
         "data": {"data": str(data_dir)},
         "adapter": {"dropout": 0.1},  # dropout makes the random state part of the test
-        "optim": {"learning_rate": 5e-3, "warmup_steps": 2},
+        "optim": {"learning_rate": 5e-3, "warmup_steps": 2, "bias_correction": True},  # its applied count resumes too
         "train": {"output_dir": str(out), "batch_size": 2, "grad_accum_steps": 2, "epochs": 2, "log_every": 1,
                   "save_every": 2, "keep_checkpoints": 0, **train},
     })

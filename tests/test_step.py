@@ -15,7 +15,7 @@ from mlxft import lora, models
 from mlxft.config import AdapterConfig, OptimConfig
 from mlxft.data import Example, make_batch
 from mlxft.loss import loss_fn
-from mlxft.optim import build_optimizer, learning_rate_at
+from mlxft.optim import build_optimizer, learning_rate_at, load_state
 from mlxft.step import MASTER_KEY, LossScaler, build_step, gradient_tree, gradient_window, optimizer_state
 
 
@@ -242,6 +242,49 @@ def test_adam_bias_correction_is_mlx_lms_by_default_and_pytorchs_on_request(opti
         first_updates.append(-opt.apply_gradients({"w": mx.ones((3,))}, params)["w"][0].item())
     assert first_updates[0] == pytest.approx(1e-3 * 0.1 / math.sqrt(0.001), rel=1e-3)
     assert first_updates[1] == pytest.approx(1e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "per-tensor"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adam"])
+def test_bias_correction_counts_only_the_updates_applied(optimizer, flat):
+    """A discarded update (here a window without a supervised token) leaves the next update as
+    it would have been: Adam's moments were not updated, so their correction must not count it
+    (it did, and the first real update came out 0.74 of its size). The schedule still counts it."""
+
+    def loss(model, x, weights):
+        tokens = weights.sum()
+        return (model(x).squeeze(-1) * weights).sum() / mx.maximum(tokens, 1), tokens
+
+    x = mx.array([[1.0, 2.0], [3.0, -1.0]])
+    supervised, unsupervised = (x, mx.array([1.0, 1.0])), (x, mx.array([0.0, 0.0]))
+    cfg = OptimConfig(optimizer=optimizer, learning_rate=0.1, warmup_steps=0, schedule="constant",
+                      bias_correction=True)
+    weights, counts = [], []
+    for windows in ([supervised, supervised], [unsupervised, supervised, supervised]):
+        layer = nn.Linear(2, 1)
+        layer.update(tree_map(mx.zeros_like, layer.parameters()))
+        opt = build_optimizer(cfg, total_steps=10)
+        step = build_step(layer, opt, loss, flat=flat)
+        for batch in windows:
+            mx.eval(step(batch, None, True)[0].applied, step.state)
+        weights.append(layer.weight)
+        counts.append(dict(tree_flatten(optimizer_state(opt, step.layout))))
+    assert mx.allclose(weights[0], weights[1], rtol=1e-6, atol=0).item(), (weights[0], weights[1])
+    # The first update is the learning rate exactly, whatever came before it.
+    assert abs(weights[0][0, 0].item()) > 0.1
+    assert [c["applied_updates"].item() for c in counts] == [2, 2]  # saved with the moments
+    assert [c["step"].item() for c in counts] == [2, 3]
+
+
+def test_older_checkpoints_count_every_step_as_applied():
+    """Optimizer state saved before the applied count existed: its runs corrected by the step."""
+    opt = build_optimizer(OptimConfig(bias_correction=True), total_steps=10)
+    opt.init({"w": mx.zeros((3,))})
+    load_state(opt, {"step": mx.array(7, mx.uint64), "learning_rate": mx.array(1e-3),
+                     "w": {"m": mx.ones((3,)), "v": mx.ones((3,))}})
+    assert opt.state["applied_updates"].item() == 7
+    load_state(opt, {"step": mx.array(7, mx.uint64), "applied_updates": mx.array(5, mx.uint64)})
+    assert opt.state["applied_updates"].item() == 5
 
 
 def test_optimizer_step_k_uses_rate_k():
