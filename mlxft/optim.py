@@ -111,8 +111,7 @@ def build_optimizer(config: OptimConfig, total_steps: int) -> optim.Optimizer:
         return learning_rate_at(count + 1, config, total_steps)
 
     if config.optimizer == "adamw":
-        return AdamW(learning_rate=schedule, weight_decay=config.weight_decay,
-                           bias_correction=config.bias_correction)
+        return AdamW(learning_rate=schedule, weight_decay=config.weight_decay, bias_correction=config.bias_correction)
     if config.optimizer == "adam":
         return Adam(learning_rate=schedule, bias_correction=config.bias_correction)
     return optim.SGD(learning_rate=schedule, momentum=config.momentum, weight_decay=config.weight_decay)
