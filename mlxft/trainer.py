@@ -350,6 +350,7 @@ class Trainer:
         self.best_val_loss: float | None = None
         self.last_val_loss: float | None = None
         self.last_val_step: int | None = None  # the step of the last validation that ran to its end
+        self.exact_match_baseline = False  # whether this run's metrics.jsonl holds its before-training exact-match
         self.finished = False  # every step trained and validated, no stop: what `final` and the run files say
         self.stop = StopRequests()
         # Marks this run's checkpoints, so pruning never deletes another run's (or a user's) directories.
@@ -359,6 +360,7 @@ class Trainer:
             self._restore(resume_from, saved)
             if not continues_in(self.run_dir, resume_from) and self.step_count == 0 and self.batch_index == 0:
                 self.last_val_step = None  # a new directory's metrics.jsonl holds no baseline yet
+                self.exact_match_baseline = False
         self.step = build_step(model, self.optimizer, partial(loss_fn, label_smoothing=config.optim.label_smoothing,
                                                                   chunk=config.model.loss_chunk, training=True),
                                config.optim.max_grad_norm, reduce=self.world.all_sum if self.world.size > 1 else None)
@@ -571,7 +573,10 @@ class Trainer:
         fresh = self.step_count == 0 and self.batch_index == 0
         if self.valid_set is not None and fresh and self.last_val_step is None:
             self._evaluate()  # the baseline the validation curve starts from (once: a run stopped at step 0 has it)
-        before = self._exact_match("before training") if t.exact_match_rows and fresh else None
+        before = None
+        if t.exact_match_rows and fresh and not self.exact_match_baseline:  # once, as the validation baseline
+            before = self._exact_match("before training")
+            self.exact_match_baseline = True
         self.reporter.start_clock()  # the first logged window times training, not what came before it
         self._compile_first_step()
         with self.stop:
@@ -925,6 +930,7 @@ class Trainer:
             "nonfinite_streak": self.nonfinite_streak,
             "last_val_loss": self.last_val_loss,
             "last_val_step": self.last_val_step,
+            "exact_match_baseline": self.exact_match_baseline,
             "unlogged": self.reporter.unlogged(),
             "loss_scaler": self.scaler.state(),
             "run_id": self.run_id,
@@ -985,6 +991,7 @@ class Trainer:
         # Checkpoints from before it was recorded: a validation at the cadence is taken as run.
         cadence = state["step"] if self._evaluates_after(state["step"]) else None
         self.last_val_step = state.get("last_val_step", cadence)
+        self.exact_match_baseline = state.get("exact_match_baseline", False)  # older checkpoints: run it again
         self.scaler.load(state["loss_scaler"])
         self.run_id = state.get("run_id") or self.run_id  # older checkpoints have none: theirs are never pruned
 

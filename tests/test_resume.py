@@ -840,17 +840,20 @@ def test_a_run_stopped_at_step_0_is_resumed_without_a_second_baseline(llama_dir,
     write_jsonl(data / "train.jsonl", CHAT_ROWS[:8])
     write_jsonl(data / "valid.jsonl", CHAT_ROWS[:3])
     out = tmp_path / "run"
-    first = Trainer(config(llama_dir, data, out, max_steps=2))
+    # The exact-match baseline too (generated again and recorded twice).
+    first = Trainer(config(llama_dir, data, out, max_steps=2, exact_match_rows=1))
     first.stop.request(signal.SIGTERM)
     with pytest.raises(TrainingStopped):
         first.train()
     assert (out / "latest").resolve().name == "checkpoint-0-emergency"
     elsewhere = tmp_path / "elsewhere"  # started from it in a new directory: that one has no baseline yet
-    Trainer(config(llama_dir, data, elsewhere, max_steps=2, resume=str(out / "checkpoint-0-emergency"))).train()
-    Trainer(config(llama_dir, data, out, max_steps=2, resume="latest")).train()
+    Trainer(config(llama_dir, data, elsewhere, max_steps=2, exact_match_rows=1,
+                   resume=str(out / "checkpoint-0-emergency"))).train()
+    Trainer(config(llama_dir, data, out, max_steps=2, exact_match_rows=1, resume="latest")).train()
     for run in (out, elsewhere):
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records if r["type"] == "eval"] == [0, 2], run
+        assert [r["step"] for r in records if r["type"] == "exact_match"] == [0, 2], run
 
 
 def test_a_resumed_run_keeps_its_exact_match_baseline_from_step_0(llama_dir, tmp_path):
