@@ -511,7 +511,8 @@ def _content_spans(tokenizer, messages: list, full: str, where: str) -> list[tup
         if m["role"] != "assistant":
             continue
         start, end = at
-        limit = next((s for s, _ in filter(None, found[i + 1:]) if s > start), len(full))
+        # An empty message is placed where the content before it ended, which is no bound.
+        limit = next((s for s, e in filter(None, found[i + 1:]) if s > start and e > s), len(full))
         own = full.find(header, start, limit) if header and start == end else -1  # this turn's header
         if start == end:
             # This turn's own end-of-turn: the first after its header. Empty messages after it
@@ -611,7 +612,9 @@ def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, 
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         return (kind, *encode_chat(tokenizer, messages, completion_only, where))
     head = _encode(tokenizer, prompt, special=True)
-    tail = _encode(tokenizer, completion) + [_eos(tokenizer)]
+    tail = _encode(tokenizer, completion)
+    if tail[-1:] != [_eos(tokenizer)]:  # a completion that already ends in EOS keeps one, as text rows do
+        tail.append(_eos(tokenizer))
     mask = [not completion_only] * len(head) + [True] * len(tail)
     return kind, head + tail, mask
 

@@ -202,6 +202,10 @@ def test_long_text_rows_are_split_so_every_token_is_a_target_once(tmp_path, toke
 def test_text_ending_in_eos_gets_no_second_eos(tmp_path, tokenizer):
     ds = load_dataset(write_jsonl(tmp_path / "t.jsonl", [{"text": "done.<|im_end|>"}]), tokenizer, 64)
     assert tokenizer.decode(ds.examples[0].ids.tolist()) == "done.<|im_end|>"
+    # Nor a raw completion (it trained the model to predict EOS after EOS).
+    ds = load_dataset(write_jsonl(tmp_path / "c.jsonl", [{"prompt": "Q?", "completion": "yes<|im_end|>"}]), tokenizer,
+                      64, prompt_format="raw")
+    assert tokenizer.decode(ds.examples[0].ids.tolist()) == "Q?yes<|im_end|>"
 
 
 def test_empty_text_rows_are_skipped_whatever_the_tokenizer(tmp_path, tokenizer, monkeypatch, capsys):
@@ -334,15 +338,19 @@ def supervised_spans(tokenizer, ids, mask):
 
 
 @pytest.mark.parametrize("empty_role", ["tool", "user"])
-def test_an_empty_message_after_an_empty_answer_is_not_supervised(tokenizer, empty_role):
+@pytest.mark.parametrize("content, first", [("", TOOL_CALL_TEXT), ("Let me check.", "Let me check.\n" + TOOL_CALL_TEXT)])
+def test_an_empty_message_after_an_answer_is_not_supervised_and_leaves_its_call_supervised(tokenizer, empty_role,
+                                                                                          content, first):
     # The empty answer's end-of-turn was taken as the last one before the next content, the
-    # empty tool (or user) turn's: its header and wrapper were trained as the assistant's.
+    # empty tool (or user) turn's: its header and wrapper were trained as the assistant's. After
+    # an answer with content, the empty message (found where the content ends) cut the turn
+    # there: its tool call and end-of-turn were not trained.
     messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": "", "tool_calls": TOOL_CALL},
+                {"role": "assistant", "content": content, "tool_calls": TOOL_CALL},
                 {"role": empty_role, "content": ""},
                 {"role": "assistant", "content": "It is sunny."}]
     ids, mask = encode_chat(tokenizer, messages, True, "test")
-    assert supervised_spans(tokenizer, ids, mask) == [TOOL_CALL_TEXT, "It is sunny.<|im_end|>\n"]
+    assert supervised_spans(tokenizer, ids, mask) == [first, "It is sunny.<|im_end|>\n"]
 
 
 def test_reasoning_content_is_supervised_in_every_turn_the_template_shows_it(tokenizer):
