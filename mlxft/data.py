@@ -300,11 +300,19 @@ def _from_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[in
     return ids, mask
 
 
+# The day templates that stamp one (Llama 3.x: "Today Date" from ``date_string``, else the clock)
+# render in training and evaluation: by the clock a row's tokens, and the training-set
+# fingerprint a resume checks, would change at midnight. It is the date Llama's template itself
+# falls back to without a clock.
+TEMPLATE_DATE = "26 Jul 2024"
+
+
 def _render(tokenizer, messages, generation_prompt: bool, tools: list | None = None) -> str:
     """The chat as the template writes it; ``tools`` (a row's function schemas, as mlx-lm's chat
     rows give them) go to the template, which lists them where the model will see them."""
     extra = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **extra)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                         date_string=TEMPLATE_DATE, **extra)
 
 
 def _incremental_spans(tokenizer, messages: list, full: str, tools: list | None = None) -> list[tuple[int, int]] | None:

@@ -486,3 +486,37 @@ def test_text_that_looks_like_a_content_mark_is_left_alone(tokenizer):
     assert supervised_spans(tokenizer, ids, mask) == [
         '<tool_call>\n{"name": "f", "arguments": {"x": "\ue0003\ue001 \ue0002\ue001"}}\n</tool_call><|im_end|>\n',
         "s<|im_end|>\n"]
+
+
+DATED_TEMPLATE = ('{%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}'
+                  "<|im_start|>system\nToday Date: {{ date_string }}<|im_end|>\n"
+                  "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_stamps_the_date_renders_one_fixed_day(llama_dir, tmp_path, monkeypatch):
+    # Llama 3.x's templates write today's date: the rows' tokens, and the fingerprint a resume
+    # checks, changed overnight, so a run resumed the next day was refused as on other data.
+    import importlib
+
+    import mlx.nn as nn
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxft.data import TEMPLATE_DATE
+    from mlxft.generation import QAPair, exact_match
+
+    dated = load_tokenizer(llama_dir)
+    monkeypatch.setattr(dated._tokenizer, "chat_template", DATED_TEMPLATE)  # shared with other loads of it
+    rows = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
+    ds = load_dataset(write_jsonl(tmp_path / "c.jsonl", rows), dated, 64)
+    assert f"Today Date: {TEMPLATE_DATE}" in dated.decode(ds.examples[0].ids.tolist())
+    assert supervised_spans(dated, ds.examples[0].ids.tolist(), ds.examples[0].mask.tolist()) == ["4<|im_end|>\n"]
+    prompts = []  # exact-match scores the rows rendered on the same day
+
+    def generate(model, tokenizer, ids, **kwargs):
+        prompts.extend(tokenizer.decode(p) for p in ids)
+        return type("Generated", (), {"texts": ["4"] * len(ids)})()
+
+    monkeypatch.setattr(importlib.import_module("mlx_lm.generate"), "batch_generate", generate)
+    assert exact_match(nn.Linear(1, 1), dated, [QAPair(rows[0]["messages"][:1], "4", chat=True)])[0] == 1.0
+    assert f"Today Date: {TEMPLATE_DATE}" in prompts[0]
