@@ -67,8 +67,12 @@ class Reporter:
         self._real_tokens += real_tokens
         self.unlogged_steps += 1
         if self.live and self.enabled:
-            loss = self._loss_sum / max(self._loss_tokens, 1)
-            self._write(f"\r\033[K[{step}/{self.total_steps}] {self._bar(step)} loss {loss:.4f}")
+            self._write(f"\r\033[K[{step}/{self.total_steps}] {self._bar(step)} loss {_shown(self._window_loss())}")
+
+    def _window_loss(self) -> float | None:
+        """The token-weighted loss since the last report; None when no token was supervised
+        (a step whose rows held none), which a 0.0 would pass off as a perfect fit."""
+        return self._loss_sum / self._loss_tokens if self._loss_tokens else None
 
     def _bar(self, step: int, width: int = 24) -> str:
         done = int(width * step / max(self.total_steps, 1))
@@ -80,7 +84,7 @@ class Reporter:
         that is earlier than now: the moment the next step began to be queued."""
         end = ended_at or time.perf_counter()
         elapsed = max(end - self._window_start, 1e-9)
-        loss = self._loss_sum / max(self._loss_tokens, 1)
+        loss = self._window_loss()
         record = {
             "type": "train",
             "step": step,
@@ -94,13 +98,14 @@ class Reporter:
             "skipped_steps": skipped,
         }
         self._print(
-            f"step {step}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | lr {learning_rate:.2e} | "
+            f"step {step}/{self.total_steps} | epoch {epoch} | loss {_shown(loss)} | lr {learning_rate:.2e} | "
             f"{record['tokens_per_sec']:.0f} tok/s ({record['supervised_tokens_per_sec']:.0f} supervised) | "
             f"peak {record['peak_memory_gb']:.2f} GB"
             + (f" | skipped {skipped}" if skipped else "")
         )
         self._record(record)
-        self.last_train_loss = loss
+        if loss is not None:
+            self.last_train_loss = loss
         self._loss_sum, self._loss_tokens, self._tokens, self._real_tokens, self.unlogged_steps = 0.0, 0, 0, 0, 0
         self._window_start = end
         return record
@@ -146,3 +151,7 @@ class Reporter:
     def pause_clock(self, seconds: float) -> None:
         """Exclude time spent outside training (evaluation, saving) from throughput."""
         self._window_start += seconds
+
+
+def _shown(loss: float | None) -> str:
+    return "n/a" if loss is None else f"{loss:.4f}"

@@ -521,8 +521,14 @@ def test_a_step_without_supervised_tokens_is_skipped_and_said(llama_dir, tmp_pat
             Example(np.arange(3, 19, dtype=np.int32), np.zeros(16, bool))]
     cfg = RunConfig.from_dict({"model": {"model": str(llama_dir)},
                                "train": {"output_dir": str(tmp_path / "run"), "batch_size": 1, "max_steps": 2,
-                                         "memory_estimate": False, "exact_match_rows": 0}})
-    Trainer(cfg, datasets=(Dataset(Path("rows"), rows, "completion"), None)).train()
-    assert "no supervised token in this step's rows; update skipped" in capsys.readouterr().out
+                                         "memory_estimate": False, "exact_match_rows": 0, "log_every": 1}})
+    result = Trainer(cfg, datasets=(Dataset(Path("rows"), rows, "completion"), None)).train()
+    out = capsys.readouterr().out
+    assert "no supervised token in this step's rows; update skipped" in out
+    # Its logged loss is no loss, not a perfect 0.0, and the run's training loss is the other step's.
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+              if r["type"] == "train"]
+    assert sorted(losses, key=lambda loss: loss is None)[1] is None and losses.count(None) == 1, losses
+    assert result.train_loss == next(loss for loss in losses if loss is not None) > 0 and "loss n/a" in out
     state = json.loads((tmp_path / "run" / "training_state.json").read_text())
     assert state["skipped_steps"] == 1
