@@ -39,6 +39,26 @@ def linear_names(layers: list[nn.Module]) -> list[str]:
     return sorted(names)
 
 
+def _check_rank(layers: list[nn.Module], targets: list[str], rank: int) -> None:
+    """Refuse a rank above the narrowest adapted layer's: an update of a higher rank is no more
+    expressive, only larger (and a huge one overflowed MLX's arrays into a crash)."""
+    narrowest = None
+    for layer in layers:
+        modules = dict(layer.named_modules())
+        for name in targets:
+            module = modules.get(name)
+            if not isinstance(module, _LINEAR_TYPES):
+                continue
+            out_dims, packed = module.weight.shape
+            in_dims = packed * 32 // module.bits if isinstance(module, nn.QuantizedLinear) else packed
+            if narrowest is None or min(in_dims, out_dims) < narrowest[0]:
+                narrowest = (min(in_dims, out_dims), name, in_dims, out_dims)
+    if narrowest is not None and rank > narrowest[0]:
+        width, name, in_dims, out_dims = narrowest
+        raise UserError(f"config field adapter.rank: {rank} is more than the narrowest adapted layer's {width} "
+                        f"({name}: {in_dims} -> {out_dims}); use --rank {width} or less")
+
+
 def _is_mixer(name: str) -> bool:
     return any(word in name.split(".")[0] for word in _MIXER_WORDS)
 
@@ -84,6 +104,7 @@ def apply(model: nn.Module, config: AdapterConfig, seed: int) -> list[str]:
     if config.finetune == "full":
         return _unfreeze(model, layers, config)
     targets = resolve_targets(config.targets, linear_names(layers))
+    _check_rank(layers, targets, config.rank)
     mx.random.seed(seed)
     try:
         linear_to_lora_layers(
