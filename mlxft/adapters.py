@@ -208,6 +208,10 @@ def _check_config_agrees(path: Path, config: dict, spec: AdapterSpec) -> None:
     """mlx-lm builds the layers from adapter_config.json and mlxft from the safetensors header:
     an edited copy of one would make the two load different adapters from the same directory."""
     params = config.get("lora_parameters") if isinstance(config.get("lora_parameters"), dict) else {}
+    keys = params.get("keys", [])
+    if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise UserError(f"{path / checkpoint.ADAPTER_CONFIG}: lora_parameters.keys must be a list of module names, "
+                        f"got {keys!r}; put back the list {checkpoint.ADAPTER_FILE}'s header gives, {spec.targets!r}")
     recorded = (("fine_tune_type", config, spec.fine_tune_type), ("num_layers", config, spec.num_layers),
                 ("rank", params, spec.rank), ("scale", params, spec.scale), ("dropout", params, spec.dropout),
                 ("keys", params, spec.targets))
@@ -747,8 +751,10 @@ def run_tokenizer(directory: Path, config: dict):
 
     try:
         return load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
-    except (OSError, ValueError, KeyError, json.JSONDecodeError):
-        return None  # a damaged copy: the base's own tokenizer is the same one
+    # A damaged copy, or one a newer tokenizers library wrote (the Rust parser raises a bare
+    # Exception for a variant it does not know): the base's own tokenizer is the same one.
+    except Exception:
+        return None
 
 
 # ---------------------------------------------------------------------------------------

@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_with_adapter(args.model, args.adapter, args.dtype, args.revision)
     mx.random.seed(args.seed)
     # Chat rows are rendered with the chat template whatever the run's prompt_format, which
-    # shapes prompt/completion rows only: a run trained on chats is prompted as it learned.
-    given = args.prompt_format or ("chat" if run_task(loaded.spec) == "chat" else None)
+    # shapes prompt/completion rows only, and text rows never are: a run trained on chats, or on
+    # plain text, is prompted as it learned.
+    given = args.prompt_format or {"chat": "chat", "text": "raw"}.get(run_task(loaded.spec))
     prompt_format = run_setting(loaded.spec, "prompt_format", given, DataConfig.prompt_format)
     ids = prompt_ids(loaded.tokenizer, messages_for(prompt, system), prompt_format)
     last = None

@@ -477,6 +477,12 @@ def test_an_adapter_config_that_disagrees_with_the_header_is_refused(llama_dir, 
     with pytest.raises(UserError, match=rf"adapter_config.json: lora_parameters.scale is {header * 2!r} but "
                                         rf"adapters.safetensors's header says {header!r}"):
         adapters.load_adapter_dir(edited)
+    for keys in (7, ["self_attn.q_proj", 3]):  # were compared by sorting them: a TypeError's traceback
+        config["lora_parameters"].update(scale=header, keys=keys)
+        (edited / "adapter_config.json").write_text(json.dumps(config))
+        with pytest.raises(UserError, match=r"adapter_config.json: lora_parameters.keys must be a list of module "
+                                            rf"names, got {re.escape(repr(keys))}; put back the list"):
+            adapters.load_adapter_dir(edited)
 
 
 @pytest.mark.parametrize("change,match", [({"alora_invocation_tokens": [5, 6]}, "'alora_invocation_tokens' is set"),
@@ -509,3 +515,16 @@ def test_an_export_from_before_the_header_said_partial_still_loads(llama_dir, tm
     assert metadata.pop("partial") == "true"  # as earlier versions wrote it: without the entry
     mx.save_safetensors(str(out / "adapters.safetensors"), weights, metadata=metadata)
     assert max_rel_diff(logits(adapters.load_with_adapter(str(llama_dir), str(out)).model), expected) < 1e-6
+
+
+def test_a_run_tokenizer_that_does_not_parse_falls_back_to_the_bases(tmp_path):
+    # The tokenizers library raises a bare Exception for a tokenizer.json it cannot read (one a
+    # newer version wrote): generate, evaluate and fuse ended in a 40-line traceback.
+    from conftest import tokenizer_files
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_files() / name, tmp_path / name)
+    saved = json.loads((tmp_path / "tokenizer.json").read_text())
+    saved["model"]["type"] = "FromTheFuture"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(saved))
+    assert adapters.run_tokenizer(tmp_path, {}) is None

@@ -164,7 +164,7 @@ def test_evaluate_encodes_rows_as_the_run_did_unless_told_otherwise(llama_dir, r
     assert printed("--no-completion-only")["tokens"] > as_run.tokens
 
 
-def test_generate_prompts_a_run_trained_on_chats_with_the_chat_template(llama_dir, runs_root, tmp_path, capsys):
+def test_generate_prompts_a_chat_run_with_the_template_and_a_text_run_raw(llama_dir, runs_root, tmp_path, capsys):
     # Its prompt_format (raw here, from a reused config) shaped no row: chat rows always take the
     # template. generate took it anyway, prompted "hi" raw and refused --system.
     run = edited_run(runs_root, llama_dir, tmp_path, "data", prompt_format="raw")
@@ -177,6 +177,11 @@ def test_generate_prompts_a_run_trained_on_chats_with_the_chat_template(llama_di
 
     assert prompt_tokens() == prompt_tokens("--prompt-format", "chat") != prompt_tokens("--prompt-format", "raw")
     assert prompt_tokens("--system", "be brief") > prompt_tokens()
+    # A run trained on plain text rows (prompt_format auto) saw no template: it continues raw text.
+    run = edited_run(runs_root, llama_dir, tmp_path / "text", "data", prompt_format="auto")
+    state = json.loads((run / "training_state.json").read_text())
+    (run / "training_state.json").write_text(json.dumps({**state, "task": "text"}))
+    assert prompt_tokens() == prompt_tokens("--prompt-format", "raw") != prompt_tokens("--prompt-format", "chat")
 
 
 def test_chat_prompts_need_a_template_that_takes_them(tokenizer, monkeypatch):
