@@ -76,7 +76,8 @@ class AdapterSpec:
     base_revision: str = ""  # the hub revision of a hub base_model the adapter was trained on
     source: str = ""  # mlxft | mlx-lm | peft
     path: Path = Path(".")
-    run_config: dict | None = None  # an mlxft run's config.yaml, when there is one
+    run_config: dict | None = None  # an mlxft run's config.yaml, when there is one (an export's header: RUN_SETTINGS)
+    task: str | None = None  # what an exported run trained on (chat, completion, text), as the header says
     base_quantization: dict | None = None  # bits, group_size, dtype: how an mlxft run quantized a float base
     # Modules inside the span may hold no tensors (a PEFT adapter's layers_to_transform, per
     # layer target lists); they get a fresh adapter that changes nothing. Elsewhere a missing
@@ -134,7 +135,7 @@ def load_adapter_dir(path) -> tuple[dict[str, mx.array], AdapterSpec]:
     if spec.fine_tune_type != "full":
         spec.layers = _check_lora_tensors(weights, spec, path)
     run_config = path / checkpoint.CONFIG_FILE
-    if run_config.is_file() and spec.source == "mlxft":
+    if run_config.is_file() and spec.source == "mlxft":  # the run's own settings, over an export's
         try:
             saved = yaml.safe_load(run_config.read_text(encoding="utf-8"))
         except (OSError, ValueError, RecursionError, yaml.YAMLError):  # ValueError: not UTF-8
@@ -193,6 +194,12 @@ def _mlxft_spec(path: Path, meta: dict[str, str]) -> AdapterSpec:
             path=path,
             base_quantization=_base_quantization(meta.get("base_quantization"), where),
             partial=_partial(path, meta))
+        if RUN_SETTINGS in meta:
+            settings = json.loads(meta[RUN_SETTINGS])
+            if not isinstance(settings, dict):
+                raise ValueError(f"{RUN_SETTINGS} is not a mapping")
+            spec.task = settings.get("task") if isinstance(settings.get("task"), str) else None
+            spec.run_config = {section: settings[section] for section in ("data", "model") if section in settings}
     except KeyError as err:
         raise UserError(f"{where}: the header lacks the LoRA entry {err}; the file is damaged") from err
     except (ValueError, TypeError) as err:
@@ -628,7 +635,7 @@ def run_task(spec: AdapterSpec | None) -> str | None:
         task = (checkpoint.read_state(spec.path / name) or {}).get("task")
         if isinstance(task, str):
             return task
-    return None
+    return spec.task
 
 
 def run_setting(spec: AdapterSpec | None, field: str, given, default, section: str = "data"):
@@ -856,10 +863,30 @@ def write_mlx(weights: dict[str, mx.array], spec: AdapterSpec, out: Path, base_m
                                            base_quantization(spec), _recorded_revision(spec, base_model))
     metadata["scale"] = repr(float(spec.scale))  # exactly the source's (alpha / rank may round)
     metadata["partial"] = "true" if spec.partial else "false"  # for mlxft; mlx-lm fills any gap this way
+    settings = exported_settings(spec)
+    if settings:
+        metadata[RUN_SETTINGS] = json.dumps(settings, sort_keys=True)
     mx.save_safetensors(str(out / checkpoint.ADAPTER_FILE), weights, metadata=metadata)
     (out / checkpoint.ADAPTER_CONFIG).write_text(
         json.dumps(checkpoint.mlx_lm_adapter_config(metadata), indent=2, sort_keys=True) + "\n")
     copy_tokenizer_files(spec.path, out)
+
+
+RUN_SETTINGS = "run_settings"  # an export's header entry: how the run encoded its rows and computed
+_EXPORTED = {"data": ("prompt_format", "max_seq_length", "completion_only"), "model": ("dtype",)}
+
+
+def exported_settings(spec: AdapterSpec) -> dict:
+    """What an mlxft run's evaluate and generate read from its config and state (the task, how
+    rows were rendered and cut, the dtype), for an export's header: an export leaves the run's
+    files behind, and scoring it would otherwise render prompt/completion rows another way."""
+    if spec.source != "mlxft":
+        return {}
+    settings = {section: {k: run_section(spec, section)[k] for k in fields if k in run_section(spec, section)}
+                for section, fields in _EXPORTED.items()}
+    settings = {section: values for section, values in settings.items() if values}
+    task = run_task(spec)
+    return {**settings, **({"task": task} if task else {})}
 
 
 def copy_tokenizer_files(source: Path, out: Path) -> list[str]:

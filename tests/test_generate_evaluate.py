@@ -162,6 +162,13 @@ def test_evaluate_encodes_rows_as_the_run_did_unless_told_otherwise(llama_dir, r
     given = printed("--prompt-format", "auto", "--max-seq-length", "2048")  # flags given win
     assert given["tokens"] == as_default.tokens
     assert printed("--no-completion-only")["tokens"] > as_run.tokens
+    # An export for mlx-lm leaves config.yaml behind: its header carries the settings (it was
+    # scored chat-rendered, 28 tokens against the run's 8).
+    from mlxft.export import export
+
+    run = export(run, "mlx-lm", tmp_path / "exported", say=lambda *_: None)
+    assert not (run / "config.yaml").exists()
+    assert printed()["tokens"] == as_run.tokens and printed()["loss"] == pytest.approx(as_run.loss, rel=1e-5)
 
 
 def test_generate_prompts_a_chat_run_with_the_template_and_a_text_run_raw(llama_dir, runs_root, tmp_path, capsys):
