@@ -288,8 +288,39 @@ def _eos(tokenizer) -> int:
     return int(eos)
 
 
+def _whole_text_tokens(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]] | None:
+    """``text`` tokenized at once, each token supervised where it starts inside a span of
+    characters; None where the tokenizer gives no offsets or a token runs across a span's edge.
+
+    Tokenized piece by piece, a SentencePiece tokenizer (Llama 2, Mistral, Phi-3) starts each
+    piece as a text: the answer "Paris" after its header became "▁Paris" (" Paris"), which the
+    whole rendering writes "Pa", "ris". Where every edge falls between tokens, the pieces of
+    a byte-level BPE tokenizer (Qwen, Llama 3, LFM2) are the same tokens either way."""
+    hf = getattr(tokenizer, "_tokenizer", None)
+    hf = hf if callable(getattr(hf, "convert_ids_to_tokens", None)) else tokenizer  # mlx-lm's wrapper, or HF's own
+    if not getattr(hf, "is_fast", False):
+        return None
+    encoded = hf(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    ids, offsets = list(encoded["input_ids"]), encoded.get("offset_mapping")
+    if offsets is None or len(offsets) != len(ids):
+        return None
+    edges = {edge for span in spans for edge in span}
+    if any(start < edge < end for start, end in offsets for edge in edges):
+        return None
+    return ids, [any(s <= start < e for s, e in spans) for start, _ in offsets]
+
+
 def _from_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
-    """Tokenize text pieces separately (as inference would see the prompt) and tag each."""
+    """Tokenize text pieces together where the tokenizer can say which piece each token came
+    from (:func:`_whole_text_tokens`), else separately, and tag each."""
+    text, spans, at = "", [], 0
+    for piece, supervised in segments:
+        if supervised and piece:
+            spans.append((at, at + len(piece)))
+        text, at = text + piece, at + len(piece)
+    whole = _whole_text_tokens(tokenizer, text, spans)
+    if whole is not None:
+        return whole
     ids: list[int] = []
     mask: list[bool] = []
     for text, supervised in segments:
@@ -619,12 +650,19 @@ def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, 
     if renders_chat(tokenizer, prompt_format):
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         return (kind, *encode_chat(tokenizer, messages, completion_only, where))
-    head = _encode(tokenizer, prompt, special=True)
-    tail = _encode(tokenizer, completion)
-    if tail[-1:] != [_eos(tokenizer)]:  # a completion that already ends in EOS keeps one, as text rows do
-        tail.append(_eos(tokenizer))
-    mask = [not completion_only] * len(head) + [True] * len(tail)
-    return kind, head + tail, mask
+    # What the tokenizer adds around a text (a BOS), then prompt and completion as one text.
+    added = _encode(tokenizer, "", special=True)
+    if _encode(tokenizer, prompt, special=True) == added + _encode(tokenizer, prompt):
+        ids, mask = _from_segments(tokenizer, [(prompt, False), (completion, True)])
+        ids, mask = added + ids, [False] * len(added) + mask
+    else:  # a tokenizer that adds tokens after a text too: the prompt as inference encodes it
+        head, tail = _encode(tokenizer, prompt, special=True), _encode(tokenizer, completion)
+        ids, mask = head + tail, [False] * len(head) + [True] * len(tail)
+    if ids[-1:] != [_eos(tokenizer)]:  # a completion that already ends in EOS keeps one, as text rows do
+        ids, mask = ids + [_eos(tokenizer)], mask + [True]
+    if not completion_only:
+        mask = [True] * len(ids)
+    return kind, ids, mask
 
 
 def text_windows(ids: list[int], max_seq_length: int) -> list[list[int]]:

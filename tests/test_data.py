@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlxft import RunConfig
-from mlxft.data import check_file, encode_chat, epoch_batches, load_dataset, make_batch, resolve_files
+from mlxft.data import check_file, encode_chat, encode_row, epoch_batches, load_dataset, make_batch, resolve_files
 from mlxft.errors import UserError
 from mlxft.trainer import Trainer
 
@@ -520,3 +520,35 @@ def test_a_template_that_stamps_the_date_renders_one_fixed_day(llama_dir, tmp_pa
     monkeypatch.setattr(importlib.import_module("mlx_lm.generate"), "batch_generate", generate)
     assert exact_match(nn.Linear(1, 1), dated, [QAPair(rows[0]["messages"][:1], "4", chat=True)])[0] == 1.0
     assert f"Today Date: {TEMPLATE_DATE}" in prompts[0]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer():
+    """A tiny Metaspace (SentencePiece-style, as Llama 2, Mistral and Phi-3 tokenize) tokenizer
+    with a Phi-3-like chat template: a word opening a text gets a word-start mark (▁)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "<|user|>", "<|assistant|>", "<|end|>"]
+    pieces = ["<unk>", *specials, "▁", "\n", "Pa", "ris", "▁Paris", "▁yes", "yes", "?", ":"] + list("abcdefghijklmnopqrstuvwxyzQW")
+    model = Tokenizer(models.Unigram([(p, -1.0 if len(p) > 2 else -2.0) for p in pieces], unk_id=0, byte_fallback=False))
+    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    model.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    model.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    hf = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="<|end|>", unk_token="<unk>")
+    hf.chat_template = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    return TokenizerWrapper(hf)
+
+
+def test_a_sentencepiece_answer_is_tokenized_as_the_whole_rendering_writes_it(sentencepiece_tokenizer):
+    # Encoded apart, the answer "Paris" opened a text: "▁Paris", a leading space the rendering
+    # never has ("Pa", "ris" after the header's newline); the same for a raw completion.
+    tok = sentencepiece_tokenizer
+    chat = [{"role": "user", "content": "what is it?"}, {"role": "assistant", "content": "Paris"}]
+    ids, mask = encode_chat(tok, chat, True, "test")
+    assert ids == tok.encode(tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False)
+    assert [tok.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m] == ["Pa", "ris", "<|end|>", "\n"]
+    _, ids, mask = encode_row({"prompt": "Q:", "completion": "yes"}, tok, True, "raw", "test")
+    assert [tok.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m] == ["yes", "<|end|>"]
