@@ -40,9 +40,10 @@ def linear_names(layers: list[nn.Module]) -> list[str]:
 
 
 def _check_rank(layers: list[nn.Module], targets: list[str], rank: int) -> None:
-    """Refuse a rank above the narrowest adapted layer's: an update of a higher rank is no more
-    expressive, only larger (and a huge one overflowed MLX's arrays into a crash)."""
-    narrowest = None
+    """Refuse a rank above every adapted layer's width, min(in, out): no layer's update gains
+    from it (and a huge one overflowed MLX's arrays into a crash). Narrower layers beside wider
+    ones (an MoE's router, 1 or 8 outputs wide) take a rank above their own width as PEFT does."""
+    widest = None
     for layer in layers:
         modules = dict(layer.named_modules())
         for name in targets:
@@ -51,12 +52,12 @@ def _check_rank(layers: list[nn.Module], targets: list[str], rank: int) -> None:
                 continue
             out_dims, packed = module.weight.shape
             in_dims = packed * 32 // module.bits if isinstance(module, nn.QuantizedLinear) else packed
-            if narrowest is None or min(in_dims, out_dims) < narrowest[0]:
-                narrowest = (min(in_dims, out_dims), name, in_dims, out_dims)
-    if narrowest is not None and rank > narrowest[0]:
-        width, name, in_dims, out_dims = narrowest
-        raise UserError(f"config field adapter.rank: {rank} is more than the narrowest adapted layer's {width} "
-                        f"({name}: {in_dims} -> {out_dims}); use --rank {width} or less")
+            if widest is None or min(in_dims, out_dims) > widest[0]:
+                widest = (min(in_dims, out_dims), name, in_dims, out_dims)
+    if widest is not None and rank > widest[0]:
+        width, name, in_dims, out_dims = widest
+        raise UserError(f"config field adapter.rank: {rank} is more than the widest adapted layer's {width} "
+                        f"({name}: {in_dims} -> {out_dims}), where no layer gains from it; use --rank {width} or less")
 
 
 def _is_mixer(name: str) -> bool:

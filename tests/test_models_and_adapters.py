@@ -41,15 +41,17 @@ def test_last_n_layers_and_mlp_subset(llama_dir):
     assert names == {f"model.layers.1.mlp.{p}.{ab}" for p in ("gate_proj", "up_proj", "down_proj") for ab in ("lora_a", "lora_b")}
 
 
-def test_a_rank_past_the_narrowest_adapted_layer_is_refused(llama_dir):
+def test_a_rank_past_every_adapted_layer_is_refused(llama_dir):
     # A rank of 2**31 - 1 passed the config check and crashed MLX (a segfault, exit 139).
     for quantize in (0, 4):
         model, _, _, _ = models.load(str(llama_dir), "float32", quantize=quantize, group_size=32)
-        with pytest.raises(UserError, match=r"adapter.rank: 33 is more than the narrowest adapted layer's 32 "
-                                             r"\(self_attn.k_proj: 64 -> 32\); use --rank 32 or less"):
-            lora.apply(model, AdapterConfig(rank=33), 0)
+        with pytest.raises(UserError, match=r"adapter.rank: 65 is more than the widest adapted layer's 64 "
+                                             r"\(mlp.down_proj: 128 -> 64\), where no layer gains from it; use "
+                                             r"--rank 64 or less"):
+            lora.apply(model, AdapterConfig(rank=65), 0)
         assert not trainable_names(model)  # refused before any layer changed
-    lora.apply(model, AdapterConfig(rank=33, targets=["self_attn.q_proj"]), 0)  # 64 -> 64
+    # A layer narrower than the rank beside wider ones (k_proj: 64 -> 32; an MoE router, 1 wide) trains.
+    lora.apply(model, AdapterConfig(rank=33), 0)
 
 
 def test_dora_and_full(llama_dir):
