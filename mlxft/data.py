@@ -9,6 +9,8 @@ order depends on nothing but the seed and the epoch number.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import functools
 import hashlib
 import json
@@ -290,7 +292,8 @@ def _eos(tokenizer) -> int:
 
 def _whole_text_tokens(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]] | None:
     """``text`` tokenized at once, each token supervised where it starts inside a span of
-    characters; None where the tokenizer gives no offsets or a token runs across a span's edge.
+    characters; None where the tokenizer gives no offsets or a span's edge is not where one
+    token ends and the next starts (a token across it; offsets trimmed of a token's spaces).
 
     Tokenized piece by piece, a SentencePiece tokenizer (Llama 2, Mistral, Phi-3) starts each
     piece as a text: the answer "Paris" after its header became "▁Paris" (" Paris"), which the
@@ -304,8 +307,10 @@ def _whole_text_tokens(tokenizer, text: str, spans: list[tuple[int, int]]) -> tu
     ids, offsets = list(encoded["input_ids"]), encoded.get("offset_mapping")
     if offsets is None or len(offsets) != len(ids):
         return None
-    edges = {edge for span in spans for edge in span}
-    if any(start < edge < end for start, end in offsets for edge in edges):
+    starts, ends = {start for start, _ in offsets}, {end for _, end in offsets}
+    edges = {edge for span in spans for edge in span if 0 < edge < len(text)}
+    if any(edge not in starts or edge not in ends for edge in edges) or any(
+            start < edge < end for start, end in offsets for edge in edges):
         return None
     return ids, [any(s <= start < e for s, e in spans) for start, _ in offsets]
 
@@ -331,19 +336,50 @@ def _from_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[in
     return ids, mask
 
 
-# The day templates that stamp one (Llama 3.x: "Today Date" from ``date_string``, else the clock)
-# render in training and evaluation: by the clock a row's tokens, and the training-set
-# fingerprint a resume checks, would change at midnight. It is the date Llama's template itself
-# falls back to without a clock.
-TEMPLATE_DATE = "26 Jul 2024"
+# The day templates that stamp one render in training and evaluation: by the clock a row's
+# tokens, and the training-set fingerprint a resume checks, would change at midnight. It is the
+# date Llama 3.x's template itself falls back to without a clock.
+TEMPLATE_DAY = datetime.datetime(2024, 7, 26)
+TEMPLATE_DATE = f"{TEMPLATE_DAY:%d %b %Y}"
+
+
+@contextlib.contextmanager
+def _template_clock():
+    """transformers' clock, which templates read through ``strftime_now`` (Granite, Mistral
+    Small), held at :data:`TEMPLATE_DAY`; left alone where that module has no such clock."""
+    try:
+        from transformers.utils import chat_template_utils as module
+    except ImportError:
+        module = None
+    clock = getattr(module, "datetime", None)
+    if not (isinstance(clock, type) and issubclass(clock, datetime.datetime)):
+        yield
+        return
+
+    class Held(clock):
+        @classmethod
+        def now(cls, tz=None):
+            return TEMPLATE_DAY.replace(tzinfo=tz)
+
+    module.datetime = Held
+    try:
+        yield
+    finally:
+        module.datetime = clock
+
+
+def render_on_template_day(tokenizer, messages, **kwargs) -> str:
+    """``tokenizer.apply_chat_template`` as text, a date the template writes being
+    :data:`TEMPLATE_DATE`: as ``date_string`` (Llama 3.x) or by the clock (:func:`_template_clock`)."""
+    with _template_clock():
+        return tokenizer.apply_chat_template(messages, tokenize=False, date_string=TEMPLATE_DATE, **kwargs)
 
 
 def _render(tokenizer, messages, generation_prompt: bool, tools: list | None = None) -> str:
     """The chat as the template writes it; ``tools`` (a row's function schemas, as mlx-lm's chat
     rows give them) go to the template, which lists them where the model will see them."""
     extra = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                         date_string=TEMPLATE_DATE, **extra)
+    return render_on_template_day(tokenizer, messages, add_generation_prompt=generation_prompt, **extra)
 
 
 def _incremental_spans(tokenizer, messages: list, full: str, tools: list | None = None) -> list[tuple[int, int]] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from mlxft.data import TEMPLATE_DATE, read_jsonl, renders_chat, without_reasoning
+from mlxft.data import read_jsonl, render_on_template_day, renders_chat, without_reasoning
 from mlxft.errors import UserError, first_line
 
 
@@ -39,17 +39,19 @@ class QAPair(NamedTuple):
 
 
 def prompt_ids(tokenizer, messages: list[dict], prompt_format: str = "auto", tools: list | None = None,
-               date: str | None = None) -> list[int]:
-    """The prompt's token ids; ``date``: the day a template that stamps one writes (by default
-    its own choice, the clock's for Llama 3.x), as training gives it (:data:`mlxft.data.TEMPLATE_DATE`)."""
+               template_day: bool = False) -> list[int]:
+    """The prompt's token ids; ``template_day``: a date the template writes is the one training
+    renders (:func:`mlxft.data.render_on_template_day`), not the template's own (today's)."""
     if renders_chat(tokenizer, prompt_format):
         if not getattr(tokenizer, "chat_template", None):  # as training checks (data.encode_chat)
             raise UserError("--prompt-format chat needs a tokenizer with a chat template; this model's tokenizer "
                             "has none; use --prompt-format raw")
+        extra = {"tools": tools} if tools else {}
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 **({"tools": tools} if tools else {}),
-                                                 **({"date_string": date} if date else {}))
+            if template_day:
+                text = render_on_template_day(tokenizer, messages, add_generation_prompt=True, **extra)
+            else:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except Exception as err:  # jinja raises its own exception types for template errors
             raise UserError(f"the chat template rejected the prompt's messages ({first_line(err)}); "
                             "leave out --system if the template takes none, or use --prompt-format raw") from err
@@ -102,7 +104,7 @@ def exact_match(model, tokenizer, pairs, prompt_format: str = "auto", max_tokens
     if not pairs:
         return 0.0, []
     # Scored as training renders the rows, on the same day.
-    prompts = [prompt_ids(tokenizer, pair.messages, "chat" if pair.chat else prompt_format, pair.tools, TEMPLATE_DATE)
+    prompts = [prompt_ids(tokenizer, pair.messages, "chat" if pair.chat else prompt_format, pair.tools, True)
                for pair in pairs]
     was_training = model.training
     model.eval()

@@ -490,6 +490,7 @@ def test_text_that_looks_like_a_content_mark_is_left_alone(tokenizer):
 
 DATED_TEMPLATE = ('{%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}'
                   "<|im_start|>system\nToday Date: {{ date_string }}<|im_end|>\n"
+                  "{{ strftime_now('%B %d, %Y') }}\n"  # Granite's and Mistral Small's: the clock alone
                   "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -509,7 +510,7 @@ def test_a_template_that_stamps_the_date_renders_one_fixed_day(llama_dir, tmp_pa
     monkeypatch.setattr(dated._tokenizer, "chat_template", DATED_TEMPLATE)  # shared with other loads of it
     rows = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
     ds = load_dataset(write_jsonl(tmp_path / "c.jsonl", rows), dated, 64)
-    assert f"Today Date: {TEMPLATE_DATE}" in dated.decode(ds.examples[0].ids.tolist())
+    assert f"Today Date: {TEMPLATE_DATE}<|im_end|>\nJuly 26, 2024\n" in dated.decode(ds.examples[0].ids.tolist())
     assert supervised_spans(dated, ds.examples[0].ids.tolist(), ds.examples[0].mask.tolist()) == ["4<|im_end|>\n"]
     prompts = []  # exact-match scores the rows rendered on the same day
 
@@ -519,7 +520,11 @@ def test_a_template_that_stamps_the_date_renders_one_fixed_day(llama_dir, tmp_pa
 
     monkeypatch.setattr(importlib.import_module("mlx_lm.generate"), "batch_generate", generate)
     assert exact_match(nn.Linear(1, 1), dated, [QAPair(rows[0]["messages"][:1], "4", chat=True)])[0] == 1.0
-    assert f"Today Date: {TEMPLATE_DATE}" in prompts[0]
+    assert f"Today Date: {TEMPLATE_DATE}<|im_end|>\nJuly 26, 2024\n" in prompts[0]
+    import datetime
+
+    from transformers.utils import chat_template_utils
+    assert chat_template_utils.datetime is datetime.datetime  # the clock is the world's again
 
 
 @pytest.fixture(scope="module")
@@ -552,3 +557,17 @@ def test_a_sentencepiece_answer_is_tokenized_as_the_whole_rendering_writes_it(se
     assert [tok.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m] == ["Pa", "ris", "<|end|>", "\n"]
     _, ids, mask = encode_row({"prompt": "Q:", "completion": "yes"}, tok, True, "raw", "test")
     assert [tok.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m] == ["yes", "<|end|>"]
+
+
+def test_offsets_trimmed_of_spaces_keep_a_prompts_trailing_space_out_of_the_answer(llama_dir, monkeypatch):
+    # With trim_offsets on, " Paris" reports offsets from its "P": it looked as if it started at
+    # the answer, and the prompt's trailing space was trained as the answer's.
+    from mlx_lm.utils import load_tokenizer
+    from tokenizers import processors
+
+    tok = load_tokenizer(llama_dir)
+    monkeypatch.setattr(tok._tokenizer.backend_tokenizer, "post_processor",
+                        processors.ByteLevel(trim_offsets=True, add_prefix_space=False))
+    _, ids, mask = encode_row({"prompt": "Capital of France? Answer: ", "completion": "Paris"}, tok, True, "raw", "row")
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "Paris<|im_end|>"
+    assert tok.decode([i for i, m in zip(ids, mask) if not m]) == "Capital of France? Answer: "
