@@ -469,9 +469,6 @@ def validate(config: RunConfig, model_given: bool = False, data_given: bool = Fa
     need(len(a.targets) >= 1, "adapter.targets", "name at least one module or 'default'")
     need(WHOLE_LAYERS not in a.targets or (a.targets == [WHOLE_LAYERS] and a.finetune == "full"), "adapter.targets",
          f"'{WHOLE_LAYERS}' (every weight of the trained layers) stands alone and needs --finetune full")
-    for name in ("rank", "alpha", "dropout"):  # full fine-tuning would train on without them
-        need(a.finetune != "full" or getattr(a, name) == getattr(AdapterConfig, name), f"adapter.{name}",
-             "applies to --finetune lora or dora; full fine-tuning has no adapter: drop it")
     need(not (a.finetune == "full" and config.model.quantize), "model.quantize",
          "full fine-tuning trains the base's own weights, which a quantized base cannot; drop --quantize or "
          "use --finetune lora")

@@ -269,9 +269,6 @@ def resolve_cli(*args, config_path=None):
         (["--epochs", "0"], "train.epochs: must be >= 1 unless --max-steps is set"),
         # It failed only after the base had been loaded and quantized.
         (["--quantize", "4", "--finetune", "full"], "model.quantize: full fine-tuning trains the base's own weights"),
-        # Full fine-tuning trained on as if they were not there.
-        (["--finetune", "full", "--dropout", "0.1"], "adapter.dropout: applies to --finetune lora or dora"),
-        (["--finetune", "full", "--rank", "16"], "adapter.rank: applies to --finetune lora or dora"),
     ],
 )
 def test_out_of_range_values_are_rejected(args, message):
