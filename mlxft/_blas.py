@@ -120,7 +120,12 @@ def _candidates() -> list[str]:
     if choice:
         return [choice]
     names = _mkl_candidates() + list(_CANDIDATES)
-    system = ctypes.util.find_library("openblas")
+    try:
+        system = ctypes.util.find_library("openblas")
+    # CPython's search parses the linker's output, and raises where that output names a file
+    # that is not there (an LD_PRELOAD of a missing library): importing mlxft must not fail.
+    except Exception:
+        system = None
     if system:
         names.append(system)
     return names + ["scipy-openblas32"]

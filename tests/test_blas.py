@@ -122,3 +122,14 @@ def test_cpu_buffers_come_from_the_heap_unless_the_user_set_malloc():
                 {"MALLOC_MMAP_THRESHOLD_": "65536"}):
         theirs = heap_probe(**env)
         assert not theirs["applied"] and theirs["mmapped"] >= 64 * 2**20, env
+
+
+def test_a_preload_of_a_missing_library_does_not_break_importing_mlxft(tmp_path):
+    # CPython's find_library("openblas") took the path in the loader's complaint about a missing
+    # preloaded libopenblas for a library it found, and raised FileNotFoundError opening it:
+    # `import mlxft`, and with it every command, failed (the FACTS.md preload on a machine without it).
+    env = {**os.environ, "LD_PRELOAD": str(tmp_path / "libopenblas.so.0"), "MLXFT_CACHE": str(tmp_path)}
+    env.pop("MLXFT_BLAS", None)
+    proc = subprocess.run([sys.executable, "-c", "import mlxft._blas as b; print(b.loaded)"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
