@@ -283,7 +283,7 @@ def base_quantization(spec: AdapterSpec | None) -> dict | None:
                         f"must be integers ({first_line(err)}); fix the file or remove it") from err
     if not bits:
         return None
-    recorded = section.get("dtype")
+    recorded = section.get("quantize_dtype") or section.get("dtype")
     return {"bits": bits, "group_size": group_size, "dtype": recorded if recorded in ("auto", *models.DTYPES) else "auto"}
 
 
@@ -607,10 +607,13 @@ def run_settings(path, model: nn.Module | None = None, base_layers: int | None =
 
 def base_settings(path) -> dict:
     """The ``model`` config fields a run starting from the adapter in ``path`` defaults to: a
-    QLoRA adapter's quantization (``quantize``, ``quantize_group_size``), so it goes on training
+    QLoRA adapter's quantization (``quantize``, ``quantize_group_size``, ``quantize_dtype``), so it goes on training
     over the base it was trained on; nothing for an adapter of a float base."""
     quantized = base_quantization(load_adapter_dir(path)[1])
-    return {"quantize": quantized["bits"], "quantize_group_size": quantized["group_size"]} if quantized else {}
+    if not quantized:
+        return {}
+    return {"quantize": quantized["bits"], "quantize_group_size": quantized["group_size"],
+            "quantize_dtype": quantized["dtype"]}
 
 
 # ---------------------------------------------------------------------------------------

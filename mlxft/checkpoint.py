@@ -701,7 +701,8 @@ def load_checkpoint(path: Path) -> dict:
 # differ; the rest change the run's meaning but not its tensors, so --force may override.
 RESUME_FIXED = ("adapter.finetune", "adapter.targets", "adapter.rank", "adapter.num_layers", "model.quantize",
                 "optim.optimizer")  # another optimizer's moments are not this one's
-RESUME_FORCEABLE = ("model.model", "model.revision", "model.dtype", "model.quantize_group_size", "data.max_seq_length",
+RESUME_FORCEABLE = ("model.model", "model.revision", "model.dtype", "model.quantize_group_size",
+                    "model.quantize_dtype", "data.max_seq_length",
                     "data.pack", "adapter.alpha", "adapter.dropout", "train.seed", "train.batch_size",
                     "train.grad_accum_steps")
 
@@ -722,12 +723,14 @@ def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: 
             from mlxft.models import absolute_name
 
             return absolute_name(value)
+        if dotted == "model.quantize_dtype":  # checkpoints before the field quantized in model.dtype
+            return value or ""
         return value
 
     forced = []
     unquantized = not get(current, "model.quantize")  # then the group size means nothing
     pairs = [(f, get(saved, f), get(current, f)) for f in RESUME_FIXED + RESUME_FORCEABLE
-             if not (unquantized and f == "model.quantize_group_size")] + [("task", saved_task, task)]
+             if not (unquantized and f in ("model.quantize_group_size", "model.quantize_dtype"))] + [("task", saved_task, task)]
     if saved_dtype is not None:
         pairs.append(("the compute dtype (model.dtype)", saved_dtype, dtype))
     for field_name, old, new in pairs:

@@ -50,6 +50,11 @@ class ModelConfig:
     )
     quantize: int = _opt(0, "Quantize the base to this many bits on load (QLoRA); 0 keeps it.", (0, 4, 8))
     quantize_group_size: int = _opt(64, "Group size for --quantize.", (32, 64, 128))
+    quantize_dtype: str = _opt(
+        "", "Dtype the base is cast to before --quantize computes its scales; empty = --dtype. A run continuing "
+            "a QLoRA adapter takes the one the adapter was quantized in, so it trains over the same base.",
+        ("", "auto", "float32", "bfloat16", "float16"),
+    )
     grad_checkpoint: bool = _opt(
         False, "Recompute each layer's activations during the backward pass: less memory, one more forward "
            "pass (~1/3 more compute for full fine-tuning, ~1/2 for LoRA, whose frozen weights need no gradient)."
@@ -400,7 +405,7 @@ def resolve(args: argparse.Namespace, config_path: str | None) -> RunConfig:
     if config.adapter.init_adapter:
         from mlxft.adapters import base_settings, run_settings
         from mlxft.checkpoint import resolve_checkpoint
-        from mlxft.models import local_layer_count
+        from mlxft.models import config_quantized, layer_count, peek_config
 
         given = set(from_file.get("adapter") or {}) | set(overrides.get("adapter", {}))
         given_model = set(from_file.get("model") or {}) | set(overrides.get("model", {}))
@@ -408,13 +413,17 @@ def resolve(args: argparse.Namespace, config_path: str | None) -> RunConfig:
         # have moved since, or be named relative to another directory.
         source = (resolve_checkpoint(config.train.resume, Path(config.train.output_dir).expanduser())
                   if config.train.resume else Path(config.adapter.init_adapter).expanduser())
-        settings = run_settings(source, base_layers=local_layer_count(config.model.model))
+        base_config = peek_config(config.model.model, config.model.revision)
+        settings = run_settings(source, base_layers=layer_count(base_config))
         for name, value in settings.items():
             if name not in given:
                 setattr(config.adapter, name, value)
-        for name, value in base_settings(source).items():  # a QLoRA adapter's quantized base
-            if name not in given_model:
-                setattr(config.model, name, value)
+        # A QLoRA adapter's base is quantized as it was, unless the base given is quantized
+        # already or --quantize says otherwise.
+        if not config_quantized(base_config) and "quantize" not in given_model:
+            for name, value in base_settings(source).items():
+                if name not in given_model:
+                    setattr(config.model, name, value)
     validate(config)
     return config
 
@@ -469,6 +478,8 @@ def validate(config: RunConfig, model_given: bool = False, data_given: bool = Fa
     need(len(a.targets) >= 1, "adapter.targets", "name at least one module or 'default'")
     need(WHOLE_LAYERS not in a.targets or (a.targets == [WHOLE_LAYERS] and a.finetune == "full"), "adapter.targets",
          f"'{WHOLE_LAYERS}' (every weight of the trained layers) stands alone and needs --finetune full")
+    need(not config.model.quantize_dtype or config.model.quantize, "model.quantize_dtype",
+         "applies to runs that quantize the base; add --quantize or drop it")
     need(not (a.finetune == "full" and config.model.quantize), "model.quantize",
          "full fine-tuning trains the base's own weights, which a quantized base cannot; drop --quantize or "
          "use --finetune lora")

@@ -61,17 +61,49 @@ def resolve_model_path(name: str, revision: str = "") -> Path:
         raise UserError(f"cannot download model {name}: {first_line(err)}") from err
 
 
-def local_layer_count(name: str) -> int | None:
-    """The layer count a local model directory's config.json gives; None for anything else (a
-    hub id, a built-in name) or a config without one, rather than download or convert it."""
+def peek_config(name: str, revision: str = "") -> dict | None:
+    """A model's config.json without loading its weights: from a local directory, the built-in
+    model's directory (converted first, as loading it would), or the hub cache for a repo id
+    (never downloading); None where none is at hand."""
     if not name:
         return None
+    path = Path(name).expanduser() / "config.json"
+    if name.startswith("builtin:"):
+        from mlxft import builtin
+
+        try:
+            path = Path(builtin.resolve(name)) / "config.json"
+        except UserError:
+            return None
+    elif not path.parent.exists() and name.count("/") == 1:
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(name, "config.json", revision=revision or None)
+        except (ValueError, OSError):  # not a valid repo id
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
     try:
-        config = json.loads((Path(name).expanduser() / "config.json").read_text(encoding="utf-8"))
-        count = (config.get("text_config") or config).get("num_hidden_layers")
-    except (OSError, ValueError, AttributeError):
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
-    return count if isinstance(count, int) and count > 0 else None
+    return config if isinstance(config, dict) else None
+
+
+def layer_count(config: dict | None) -> int | None:
+    """The layer count a config.json gives, or None."""
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config")
+    count = (text if isinstance(text, dict) else config).get("num_hidden_layers")
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
+
+
+def config_quantized(config: dict | None) -> bool:
+    """Whether a config.json describes an mlx-lm quantized model."""
+    return isinstance(config, dict) and bool(config.get("quantization") or config.get("quantization_config"))
 
 
 def resolve_dtype(name: str) -> mx.Dtype:
@@ -93,8 +125,10 @@ def load_error(path, err: BaseException) -> UserError:
     return UserError(f"cannot load model from {path}: {first_line(err)}{hint}")
 
 
-def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, revision: str = ""):
-    """Load ``(model, tokenizer, path, config)`` with mlx-lm, cast and optionally quantized."""
+def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, revision: str = "",
+         quantize_dtype: str = ""):
+    """Load ``(model, tokenizer, path, config)`` with mlx-lm, cast and optionally quantized
+    (from the weights cast to ``quantize_dtype``, else to ``dtype``)."""
     from mlx_lm.utils import load_model, load_tokenizer, quantize_model
 
     path = resolve_model_path(name, revision)
@@ -103,11 +137,12 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except LOAD_ERRORS as err:
         raise load_error(path, err) from err
-    model.set_dtype(resolve_dtype(dtype))
     if quantize:
         if is_quantized(model):
             raise UserError(f"model {name} is already quantized; drop --quantize")
+        model.set_dtype(resolve_dtype(quantize_dtype or dtype))
         model, config = quantize_model(model, config, group_size, quantize)
+    model.set_dtype(resolve_dtype(dtype))
     # Cast (and quantized) now: left lazy, the checkpoint's own tensors stay allocated beside
     # the cast ones until the first step, whose peak they join, and every memory probe before it
     # converts its weights again (SmolLM2-135M on the CPU: 0.11 GB too much in the estimate).

@@ -256,7 +256,7 @@ class Trainer:
             with self.world.local_work():  # a download or a large model may take longer than --dist-timeout
                 model, tokenizer, model_path, _ = models.load(
                     builtin.resolve(config.model.model), config.model.dtype, config.model.quantize,
-                    config.model.quantize_group_size, config.model.revision,
+                    config.model.quantize_group_size, config.model.revision, config.model.quantize_dtype,
                 )
             # A run writes tokenizer files and adapters where it is told, and --overwrite clears
             # it: neither may reach the model or adapter it starts from (a run inside them
@@ -895,7 +895,7 @@ class Trainer:
         layers = len(lora.selected_layers(self.model, a.num_layers))
         m = self.config.model
         # The dtype it was quantized in, resolved: "auto" would resolve on the machine loading it.
-        dtype = next(name for name, d in models.DTYPES.items() if d == models.resolve_dtype(m.dtype))
+        dtype = m.quantize_dtype or next(name for name, d in models.DTYPES.items() if d == models.resolve_dtype(m.dtype))
         quantized = {"bits": m.quantize, "group_size": m.quantize_group_size, "dtype": dtype} if m.quantize else None
         return checkpoint.adapter_metadata(a.finetune, a.rank, a.alpha, a.dropout, self.targets, layers,
                                            models.family(self.model), m.model, quantized, m.revision)

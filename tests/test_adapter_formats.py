@@ -528,3 +528,91 @@ def test_a_run_tokenizer_that_does_not_parse_falls_back_to_the_bases(tmp_path):
     saved["model"]["type"] = "FromTheFuture"
     (tmp_path / "tokenizer.json").write_text(json.dumps(saved))
     assert adapters.run_tokenizer(tmp_path, {}) is None
+
+
+def _hub_cache(root, repo_id, model_dir):
+    """``model_dir``'s files as huggingface-hub caches ``repo_id`` under ``root``."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(model_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    return root
+
+
+def test_an_mlx_lm_adapter_of_16_layers_continues_on_a_hub_base_of_fewer(llama_dir, runs_root, tmp_path, monkeypatch):
+    # Only a local directory's config.json was read: on a repo id the 16 stood and the run was
+    # refused as "16 exceeds the model's 2 layers". The hub cache holds its config.json.
+    from huggingface_hub import constants
+
+    from mlxft import config as cfg
+    from mlxft.train import parser
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(_hub_cache(tmp_path / "hub", "acme/tiny-llama", llama_dir)))
+    run = tmp_path / "sixteen"
+    shutil.copytree(mlx_lm_run(runs_root, llama_dir), run)
+    recorded = json.loads((run / "adapter_config.json").read_text())
+    (run / "adapter_config.json").write_text(json.dumps({**recorded, "num_layers": 16}))
+    args = ["--model", "acme/tiny-llama", "--data", "d", "--init-adapter", str(run)]
+    assert cfg.resolve(parser().parse_args(args), None).adapter.num_layers == -1
+    uncached = cfg.resolve(parser().parse_args([*args, "--revision", "v2"]), None)  # nothing to read: as recorded
+    assert uncached.adapter.num_layers == 16
+
+
+def _quantized_copy(model_dir, out):
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    model, config = load_model(model_dir)
+    model, config = quantize_model(model, config, 32, 4)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    for name in model_dir.iterdir():
+        if name.name.startswith("tokenizer") or name.name == "special_tokens_map.json":
+            shutil.copy(name, out / name.name)
+    return out
+
+
+def test_a_qlora_adapter_continues_on_a_base_already_quantized(llama_dir, runs_root, chat_data, tmp_path):
+    # The adapter's --quantize 4 was copied into the run and then refused as if the user had
+    # passed it: "model ... is already quantized; drop --quantize".
+    from mlxft import config as cfg
+    from mlxft.train import main as train_main, parser
+
+    run = synthetic_run(runs_root, llama_dir, "lora", quantize=4)
+    quantized = _quantized_copy(llama_dir, tmp_path / "quantized")
+    common = ["--model", str(quantized), "--data", str(chat_data), "--init-adapter", str(run)]
+    resolved = cfg.resolve(parser().parse_args(common), None)
+    assert (resolved.model.quantize, resolved.model.quantize_dtype) == (0, "")
+    out = tmp_path / "continued"
+    assert train_main([*common, "--max-steps", "1", "--no-memory-estimate", "--output-dir", str(out)]) == 0
+    assert "base_quantization" not in json.loads((out / "adapter_config.json").read_text())
+
+
+def test_a_bfloat16_qlora_adapter_continued_in_float32_starts_from_its_own_base(llama_dir, runs_root, tmp_path):
+    # The base was quantized from float32 weights rather than the bfloat16 ones the adapter
+    # trained over: other scales, and a start 5e-3 to 6e-2 off (relative logits).
+    from mlx.utils import tree_flatten
+
+    from mlxft import RunConfig, Trainer
+    from mlxft import config as cfg
+    from mlxft.train import parser
+    from adapter_runs import data_dir
+
+    run = tmp_path / "run"
+    shutil.copytree(synthetic_run(runs_root, llama_dir, "lora", quantize=4), run)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["model"]["dtype"] = "bfloat16"
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    args = ["--model", str(llama_dir), "--data", str(data_dir(runs_root)), "--init-adapter", str(run),
+            "--dtype", "float32", "--output-dir", str(tmp_path / "continued"), "--max-steps", "1"]
+    config = cfg.resolve(parser().parse_args(args), None)
+    assert (config.model.quantize, config.model.quantize_dtype) == (4, "bfloat16")
+    trainer = Trainer(config)
+    expected = adapters.load_with_adapter(None, str(run), dtype="float32").model
+    assert max_rel_diff(logits(trainer.model), logits(expected)) < 1e-6
+    frozen = {k: v for k, v in tree_flatten(trainer.model.parameters()) if k.endswith((".scales", ".biases"))}
+    assert frozen and all(v.dtype == mx.float32 for v in frozen.values())  # computed in the run's dtype
+    trainer.train()
+    assert json.loads((tmp_path / "continued" / "adapter_config.json").read_text())["base_quantization"] == {
+        "bits": 4, "group_size": 32, "dtype": "bfloat16"}
+    assert RunConfig.from_dict(yaml.safe_load((tmp_path / "continued" / "config.yaml").read_text())).model.quantize_dtype == "bfloat16"
