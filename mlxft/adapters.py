@@ -736,13 +736,13 @@ def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int
     dtype; training cast before quantizing), so a run trained in bfloat16 and fused in float32
     gets the quantized weights it was trained on.
     """
-    from mlx_lm.utils import load_model, load_tokenizer, quantize_model
+    from mlx_lm.utils import load_model, quantize_model
 
     path = models.resolve_model_path(name, revision)
     try:
         model, config = load_model(path)
         tokenizer = run_tokenizer(Path(tokenizer_dir), config) if tokenizer_dir else None
-        tokenizer = tokenizer or load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = tokenizer or models.load_tokenizer(path, config)
     except models.LOAD_ERRORS as err:
         raise models.load_error(path, err) from err
     if quantize and not models.is_quantized(model):

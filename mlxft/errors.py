@@ -40,8 +40,15 @@ def print_error(message: str) -> None:
 
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message, for quoting in a one-line error; its type's
-    name when the message is empty (some library errors carry none)."""
-    return next(iter(str(err).strip().splitlines()), type(err).__name__)
+    name when the message is empty (some library errors carry none). A first line that ends in
+    a colon announces the next one, which joins it: cut there, it would say nothing."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    text, rest = lines[0], lines[1:]
+    while text.endswith(":") and rest:
+        text = f"{text} {rest.pop(0)}"
+    return text
 
 
 def run_cli(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:

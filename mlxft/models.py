@@ -125,16 +125,30 @@ def load_error(path, err: BaseException) -> UserError:
     return UserError(f"cannot load model from {path}: {first_line(err)}{hint}")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def load_tokenizer(path: Path, config: dict):
+    """mlx-lm's tokenizer wrapper for the model in ``path``, or one line saying what is missing."""
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        # transformers' own message for this is a list cut off after its first line
+        raise UserError(f"model directory {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the "
+                        "tokenizer files of the model it came from into it")
+    return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
 def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, revision: str = "",
          quantize_dtype: str = ""):
     """Load ``(model, tokenizer, path, config)`` with mlx-lm, cast and optionally quantized
     (from the weights cast to ``quantize_dtype``, else to ``dtype``)."""
-    from mlx_lm.utils import load_model, load_tokenizer, quantize_model
+    from mlx_lm.utils import load_model, quantize_model
 
     path = resolve_model_path(name, revision)
     try:
         model, config = load_model(path)
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(path, config)
     except LOAD_ERRORS as err:
         raise load_error(path, err) from err
     if quantize:

@@ -358,6 +358,23 @@ def test_one_line_errors_quote_an_empty_message_by_its_type():
 
     assert first_line(ValueError()) == "ValueError"
     assert first_line(RuntimeError("\nwhat went wrong\nthe details")) == "what went wrong"
+    # transformers: "Couldn't instantiate the backend tokenizer from one of: \n(1) ..." was quoted up to the colon
+    assert first_line(ValueError("cannot load from one of:\n  (1) a file\n(2) the other")) == (
+        "cannot load from one of: (1) a file")
+
+
+def test_a_model_directory_without_a_tokenizer_is_named_in_one_line(llama_dir, chat_data, tmp_path, capsys):
+    import shutil
+
+    from mlxft.models import TOKENIZER_FILES
+    from mlxft.train import main
+
+    bare = tmp_path / "bare"
+    shutil.copytree(llama_dir, bare, ignore=lambda _, names: [n for n in names if n.startswith(("tokenizer", "vocab", "merges"))])
+    assert main(["--model", str(bare), "--data", str(chat_data), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: model directory {bare} has no tokenizer") and all(n in err for n in TOKENIZER_FILES)
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
 def test_a_local_model_is_recorded_by_its_absolute_path(llama_dir, chat_data, tmp_path, monkeypatch):
