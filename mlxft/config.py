@@ -402,19 +402,20 @@ def resolve(args: argparse.Namespace, config_path: str | None) -> RunConfig:
             section, name = dest.split(".", 1)
             overrides.setdefault(section, {})[name] = value
     apply_overrides(config, overrides, "command line")
+    given = set(from_file.get("adapter") or {}) | set(overrides.get("adapter", {}))
+    inherited: dict[str, Any] = {}
     if config.adapter.init_adapter:
         from mlxft.adapters import base_settings, run_settings
         from mlxft.checkpoint import resolve_checkpoint
         from mlxft.models import config_quantized, layer_count, peek_config
 
-        given = set(from_file.get("adapter") or {}) | set(overrides.get("adapter", {}))
         given_model = set(from_file.get("model") or {}) | set(overrides.get("model", {}))
         # Resuming, the checkpoint holds the layout (and the weights): the starting adapter may
         # have moved since, or be named relative to another directory.
         source = (resolve_checkpoint(config.train.resume, Path(config.train.output_dir).expanduser())
                   if config.train.resume else Path(config.adapter.init_adapter).expanduser())
         base_config = peek_config(config.model.model, config.model.revision)
-        settings = run_settings(source, base_layers=layer_count(base_config))
+        settings = inherited = run_settings(source, base_layers=layer_count(base_config))
         for name, value in settings.items():
             if name not in given:
                 setattr(config.adapter, name, value)
@@ -424,6 +425,13 @@ def resolve(args: argparse.Namespace, config_path: str | None) -> RunConfig:
             for name, value in base_settings(source).items():
                 if name not in given_model:
                     setattr(config.model, name, value)
+    for name in ("rank", "alpha", "dropout"):  # full fine-tuning would train on without them
+        value = getattr(config.adapter, name)
+        # A starting adapter's own value, and a default a saved config.yaml spells out, are not a request.
+        asked = name in given and value != getattr(AdapterConfig, name) and value != inherited.get(name)
+        if config.adapter.finetune == "full" and asked:
+            raise UserError(f"config field adapter.{name}: applies to --finetune lora or dora; full fine-tuning "
+                            "has no adapter: drop it")
     validate(config)
     return config
 

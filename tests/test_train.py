@@ -269,11 +269,27 @@ def resolve_cli(*args, config_path=None):
         (["--epochs", "0"], "train.epochs: must be >= 1 unless --max-steps is set"),
         # It failed only after the base had been loaded and quantized.
         (["--quantize", "4", "--finetune", "full"], "model.quantize: full fine-tuning trains the base's own weights"),
+        # Full fine-tuning trained on as if they were not there.
+        (["--finetune", "full", "--dropout", "0.1"], "adapter.dropout: applies to --finetune lora or dora"),
+        (["--finetune", "full", "--rank", "16"], "adapter.rank: applies to --finetune lora or dora"),
     ],
 )
 def test_out_of_range_values_are_rejected(args, message):
     with pytest.raises(UserError, match=re.escape(message)):
         resolve_cli(*args)
+
+
+def test_a_full_run_s_saved_config_spelling_out_adapter_defaults_runs_again(tmp_path):
+    # config.yaml names every field, the adapter's defaults included: not a request for an adapter.
+    from mlxft.config import AdapterConfig
+
+    path = tmp_path / "run.yaml"
+    defaults = {name: getattr(AdapterConfig, name) for name in ("rank", "alpha", "dropout")}
+    path.write_text(yaml.safe_dump({"adapter": {"finetune": "full", **defaults}}))
+    assert resolve_cli(config_path=path).adapter.finetune == "full"
+    path.write_text(yaml.safe_dump({"adapter": {"finetune": "full", **defaults, "rank": 4}}))
+    with pytest.raises(UserError, match=re.escape("adapter.rank: applies to --finetune lora or dora")):
+        resolve_cli(config_path=path)
 
 
 def test_yaml_numbers_pyyaml_reads_as_strings(tmp_path):
