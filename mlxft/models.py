@@ -8,6 +8,7 @@ project only supervised positions instead of materializing ``[B, T, vocab]`` log
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -53,10 +54,12 @@ def resolve_model_path(name: str, revision: str = "") -> Path:
     except RepositoryNotFoundError as err:
         raise UserError(f"model repo {name} was not found on the Hugging Face hub (or needs a login); check --model") from err
     except LocalEntryNotFoundError as err:
-        raise UserError(
-            f"model {name} is not in the local hub cache and the hub cannot be reached; "
-            "connect to the internet once or pass a local model directory"
-        ) from err
+        which = f"model {name} at revision {revision}" if revision else f"model {name}"
+        if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+            raise UserError(f"{which} is not in the local hub cache, and HF_HUB_OFFLINE is set; unset it to "
+                            "download the model once, or pass a local model directory") from err
+        raise UserError(f"{which} is not in the local hub cache and the hub cannot be reached; connect to the "
+                        "internet once or pass a local model directory") from err
     except (HfHubHTTPError, OSError, ValueError) as err:
         raise UserError(f"cannot download model {name}: {first_line(err)}") from err
 

@@ -111,6 +111,13 @@ def test_model_errors_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="not in the local hub cache|cannot download|not found") as err:
         models.resolve_model_path("someone-who-does-not-exist/tiny-model-xyz")
     assert "\n" not in str(err.value)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read when the library was imported
+    # The revision asked for, and the setting that stopped the download.
+    with pytest.raises(UserError, match="tiny-model-xyz at revision v9 is not in the local hub cache, and "
+                                        "HF_HUB_OFFLINE is set; unset it"):
+        models.resolve_model_path("someone-who-does-not-exist/tiny-model-xyz", revision="v9")
 
 
 def test_config_layers_and_errors(tmp_path):
