@@ -698,10 +698,18 @@ def add_revision_argument(parser) -> None:
                              "recorded for its base, else the hub's default branch)")
 
 
+def check_adapter_named(adapter: str | None) -> None:
+    """An --adapter given empty (an unset shell variable) is an error, not the base alone."""
+    if adapter is not None and not str(adapter).strip():
+        raise UserError("--adapter is empty; name a run, checkpoint or adapter directory, or drop --adapter to use "
+                        "the base model alone")
+
+
 def load_with_adapter(model: str | None, adapter: str | None, dtype: str | None = "auto", revision: str = "") -> Loaded:
     """Load the base (as the adapter was trained: an mlxft run's quantization and hub revision
     are reused, and with ``dtype`` None its dtype), put the adapter on it, and take the
     tokenizer the run saved (else the base's)."""
+    check_adapter_named(adapter)
     weights, spec = load_adapter_dir(adapter) if adapter else (None, None)
     if dtype is None:
         dtype = run_setting(spec, "dtype", None, "auto", section="model")

@@ -47,6 +47,7 @@ def export(adapter, fmt: str, out, *, model: str = "", overwrite: bool = False, 
     from mlxft import adapters, models
     from mlxft.gguf import _check_destination, _write_atomically, check_output_apart
 
+    adapters.check_adapter_named(adapter)
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     model = models.absolute_name(model or "")  # recorded: it must name the base from any directory

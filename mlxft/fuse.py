@@ -47,9 +47,10 @@ def fuse(adapter: str | None, model: str | None, out, *, dequantize: bool = Fals
          max_shard_gb: float = 5.0, overwrite: bool = False, revision: str = "") -> Path:
     """Load base and adapter, merge, and write the model directory; return its path."""
     from mlxft import hf, models
-    from mlxft.adapters import adapter_directory, load_with_adapter
+    from mlxft.adapters import adapter_directory, check_adapter_named, load_with_adapter
     from mlxft.gguf import _check_destination, check_output_apart
 
+    check_adapter_named(adapter)
     out = Path(out).expanduser()
     # --adapter may name the weights file in its directory: the directory is what is read.
     adapter_dir = adapter_directory(adapter) if adapter else None

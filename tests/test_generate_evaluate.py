@@ -417,3 +417,18 @@ def test_training_and_evaluation_report_one_perplexity(tmp_path):
 
     record = Reporter(tmp_path, 1, stream=io.StringIO()).eval(1, 60.0, 10)
     assert record["val_ppl"] == pytest.approx(math.exp(60.0)) == perplexity(60.0)
+
+
+def test_an_empty_adapter_is_refused_not_read_as_the_base_alone(llama_dir, chat_data, tmp_path, capsys):
+    # `--adapter "$RUN"` with RUN unset scored, generated from or re-wrote the base model without a word.
+    from mlxft.evaluate import main as evaluate_main
+    from mlxft.export import main as export_main
+    from mlxft.fuse import main as fuse_main
+    from mlxft.generate import main as generate_main
+
+    for main, args in [(evaluate_main, ["--data", str(chat_data)]), (generate_main, ["--prompt", "hi"]),
+                       (fuse_main, ["--out", str(tmp_path / "fused")]),
+                       (export_main, ["--format", "peft", "--out", str(tmp_path / "peft")])]:
+        assert main(["--model", str(llama_dir), "--adapter", "", *args]) == 2
+        assert capsys.readouterr().err.startswith("error: --adapter is empty;")
+    assert not (tmp_path / "fused").exists() and not (tmp_path / "peft").exists()
