@@ -279,6 +279,13 @@ def test_out_of_range_values_are_rejected(args, message):
         resolve_cli(*args)
 
 
+@pytest.mark.parametrize("flag", ["--init-adapter", "--resume"])
+def test_a_starting_point_given_empty_is_refused_not_taken_as_none(flag):
+    # `--init-adapter "$RUN"` with RUN unset trained a fresh adapter without a word.
+    with pytest.raises(UserError, match=f"^{flag} is empty; name "):
+        resolve_cli(flag, "")
+
+
 def test_a_full_run_s_saved_config_spelling_out_adapter_defaults_runs_again(tmp_path):
     # config.yaml names every field, the adapter's defaults included: not a request for an adapter.
     from mlxft.config import AdapterConfig
