@@ -261,6 +261,7 @@ def apply_adapter_weights(model: nn.Module, weights: dict[str, mx.array], source
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 WINDOW_FILE = "window.safetensors"
+WINDOW_SUMS = ("mlxft.loss_sum", "mlxft.tokens")  # beside the gradients, by these names
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
 _STEP_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -663,6 +664,23 @@ def _damaged(path: Path, what: str) -> UserError:
     return UserError(f"{path} {what}; the checkpoint is damaged: resume from an earlier one")
 
 
+def check_window(window: dict[str, mx.array], trainables: dict[str, mx.array], source: Path) -> None:
+    """A window file (a run stopped inside a gradient-accumulation window) must hold a gradient
+    of every trainable parameter, in its shape, and the window's loss and token sums."""
+    for name in WINDOW_SUMS:
+        if name not in window or window[name].ndim:
+            raise _damaged(source, f"has no scalar {name!r}")
+    for name, param in trainables.items():
+        if name not in window:
+            raise _damaged(source, f"has no gradient of {name!r}")
+        if window[name].shape != param.shape:
+            raise _damaged(source, f"holds {name!r} in shape {tuple(window[name].shape)}, not the parameter's "
+                                   f"{tuple(param.shape)}")
+    extra = sorted(set(window) - set(trainables) - set(WINDOW_SUMS))
+    if extra:
+        raise _damaged(source, f"holds {extra[0]!r}, which is no trainable parameter of this run")
+
+
 def load_checkpoint(path: Path) -> dict:
     """Everything a checkpoint holds: state, config, adapter weights, optimizer, window."""
     path = Path(path)
@@ -685,6 +703,16 @@ def load_checkpoint(path: Path) -> dict:
     scaler = state["loss_scaler"]
     if not (isinstance(scaler, dict) and _is_number(scaler.get("scale")) and _is_count(scaler.get("good_steps"))):
         raise _damaged(path / TRAINER_STATE, "has no valid 'loss_scaler'")
+    unlogged = state.get("unlogged")
+    if unlogged is not None and not (isinstance(unlogged, dict) and _is_number(unlogged.get("loss_sum"))
+                                     and _is_number(unlogged.get("tokens")) and _is_count(unlogged.get("steps"))):
+        raise _damaged(path / TRAINER_STATE, f"has no valid 'unlogged' (loss_sum, tokens, steps; got {unlogged!r})")
+    optional = (("last_val_step", lambda v: v is None or _is_count(v), "a count or null"),
+                ("exact_match_baseline", lambda v: isinstance(v, bool), "true or false"),
+                ("run_id", lambda v: v is None or isinstance(v, str), "a string"))
+    for key, valid, what in optional:  # older checkpoints have none of them
+        if key in state and not valid(state[key]):
+            raise _damaged(path / TRAINER_STATE, f"has no valid {key!r} ({what}, got {state[key]!r})")
     if not (isinstance(config, dict) and all(isinstance(config.get(s), dict) for s in CONFIG_SECTIONS)):
         raise _damaged(path / CONFIG_FILE, f"is not a run config (sections {', '.join(CONFIG_SECTIONS)})")
     window_path = path / WINDOW_FILE

@@ -21,8 +21,10 @@ import math
 
 import mlx.core as mx
 import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxft.config import OptimConfig
+from mlxft.errors import UserError
 
 
 def learning_rate_at(step, config: OptimConfig, total_steps: int):
@@ -94,11 +96,35 @@ class AdamW(optim.AdamW, Adam):
     """MLX's AdamW (its weight decay, then :class:`Adam`'s update)."""
 
 
-def load_state(optimizer: optim.Optimizer, saved: dict) -> None:
-    """Put a checkpoint's optimizer state (a tree) in place, into the dict the step holds.
+MASTER_KEY = "_master_weights"  # the optimizer state entry of half-precision trainables' float32 masters
 
-    Checkpoints from before the applied count have none: every step they took counts as
-    applied, which is what their runs' bias correction assumed."""
+
+def load_state(optimizer: optim.Optimizer, saved: dict[str, mx.array], source: str) -> None:
+    """Put a checkpoint's optimizer state (flat names, as ``source`` holds them) in place, into
+    the dict the step holds, once ``optimizer.init`` has laid out this run's.
+
+    Every per-parameter entry must be there in its shape (MLX would fail later, or train on
+    silently with fresh moments); the scalar counters may be missing. Checkpoints from before
+    the applied count have none: every step they took counts as applied, which is what their
+    runs' bias correction assumed. Masters that do not fit are rebuilt by the step."""
+    expected = dict(tree_flatten(optimizer.state))
+    for name, value in expected.items():
+        if value.ndim == 0:  # a counter
+            continue
+        if name not in saved:
+            raise UserError(f"{source} has no {name!r}; the checkpoint is damaged or not this run's: resume from "
+                            "an earlier one")
+        if saved[name].shape != value.shape:
+            raise UserError(f"{source}: {name!r} has shape {tuple(saved[name].shape)}, but this run's parameter "
+                            f"needs {tuple(value.shape)}; the checkpoint is damaged or not this run's")
+    for name, value in saved.items():
+        known = expected.get(name)
+        if name.startswith(MASTER_KEY + ".") or (known is not None and (known.ndim or value.ndim == 0)):
+            continue
+        what = "holds a non-scalar" if known is not None else "holds"
+        raise UserError(f"{source} {what} {name!r}, which this run's optimizer does not; the checkpoint is "
+                        "damaged or not this run's: resume from an earlier one")
+    saved = tree_unflatten(list(saved.items()))
     optimizer.state.update(saved)
     if isinstance(optimizer, _CountsAppliedUpdates) and APPLIED_KEY not in saved and "step" in saved:
         optimizer.state[APPLIED_KEY] = mx.array(saved["step"])

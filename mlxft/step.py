@@ -34,13 +34,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_reduce, tree_unflatten
 
-from mlxft.optim import APPLIED_KEY
+from mlxft.optim import APPLIED_KEY, MASTER_KEY
 
 _SCHEDULE_KEYS = ("step", "learning_rate")  # advance with every step, applied or discarded
 _COUNTERS = _SCHEDULE_KEYS + (APPLIED_KEY,)  # the optimizer state's scalars, not per parameter
 
 
-MASTER_KEY = "_master_weights"  # the optimizer state entry of half-precision trainables' float32 masters
 _HALF = (mx.float16, mx.bfloat16)
 
 

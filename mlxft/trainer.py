@@ -118,6 +118,19 @@ def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = 
                         "choose another --output-dir or pass --overwrite")
 
 
+def _check_output_outside_checkpoint(run_dir: Path, resume_from: Path | None) -> None:
+    """A run writes its adapter and state into --output-dir and clears it under --overwrite: the
+    checkpoint it resumes from must not be that directory or hold it (holding one is normal)."""
+    if resume_from is None:
+        return
+    target = run_dir.expanduser().resolve()
+    if target == resume_from or resume_from in target.parents:
+        relation = "is" if target == resume_from else "is inside"
+        raise UserError(f"--output-dir {run_dir} {relation} the checkpoint {resume_from} being resumed, whose files "
+                        f"the run would overwrite; use the run directory that holds it ({resume_from.parent}) "
+                        "or another --output-dir")
+
+
 def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | None, vocab_size: int | None) -> None:
     """What loading a JSONL file refuses, for datasets built in Python, and token ids the
     model's embedding does not have (MLX does not check an index)."""
@@ -237,6 +250,7 @@ class Trainer:
             raise refusal or UserError(f"rank 0 cannot use --output-dir {self.run_dir}; see its message")
         resume_from = checkpoint.resolve_checkpoint(t.resume, self.run_dir) if t.resume else None
         self.resumed_from = resume_from  # where a run stopped before its first checkpoint continues from
+        _check_output_outside_checkpoint(self.run_dir, resume_from)
         check_output_dir(self.run_dir, t.overwrite, resume_from, self.world.is_main)
         if datasets is None:
             self.train_file, self.valid_file = data.resolve_files(
@@ -376,6 +390,9 @@ class Trainer:
                 raise UserError(f"cannot create --output-dir {self.run_dir}: {err.strerror or err}; choose "
                                 "a directory you can write to") from err
             self._hold_run_dir()  # a directory this run created, unless another process just did
+            # Another run may have started and finished here while this one loaded its model:
+            # the check above saw a directory that no longer looks as it did.
+            check_output_dir(self.run_dir, t.overwrite, resume_from)
             with self._updating_run_dir():
                 checkpoint.remove_partial_saves(self.run_dir)  # a killed run's; this run's saves start clean
                 if continues_in(self.run_dir, resume_from):
@@ -952,8 +969,8 @@ class Trainer:
             window = None
             if self.window is not None:
                 grads, loss_sum, tokens = self.window
-                window = {**dict(tree_flatten(gradient_tree(grads, self.layout))), "mlxft.loss_sum": loss_sum,
-                          "mlxft.tokens": tokens}
+                window = {**dict(tree_flatten(gradient_tree(grads, self.layout))),
+                          **dict(zip(checkpoint.WINDOW_SUMS, (loss_sum, tokens)))}
             path = checkpoint.save_checkpoint(self.run_dir, name, self.model, self.adapter_metadata(), moments, window,
                                               self.resume_state(), self.config.to_saved_dict(), progress)
             self.reporter.info(f"checkpoint {path}")
@@ -973,12 +990,13 @@ class Trainer:
         from ``path`` and checked against this run) in place."""
         state = saved["state"]
         checkpoint.apply_adapter_weights(self.model, saved["adapters"], str(path / checkpoint.ADAPTER_FILE))
-        optimizer = dict(saved["optimizer"])
         self.optimizer.init(self.model.trainable_parameters())
-        load_optimizer_state(self.optimizer, tree_unflatten(list(optimizer.items())))
+        load_optimizer_state(self.optimizer, dict(saved["optimizer"]), str(path / checkpoint.OPTIMIZER_FILE))
         if saved["window"] is not None:  # only a one-process run stops inside a window
             window = dict(saved["window"])
-            loss_sum, tokens = window.pop("mlxft.loss_sum"), window.pop("mlxft.tokens")
+            checkpoint.check_window(window, dict(tree_flatten(self.model.trainable_parameters())),
+                                    path / checkpoint.WINDOW_FILE)
+            loss_sum, tokens = (window.pop(name) for name in checkpoint.WINDOW_SUMS)
             # Rebuild the gradient tree on the parameters' own structure (it has empty containers).
             grads = tree_map_with_path(lambda name, _: window[name], self.model.trainable_parameters())
             self.window = (grads, loss_sum, tokens)

@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import re
 import signal
 import shutil
 import subprocess
@@ -1239,3 +1240,76 @@ def test_a_directory_without_write_access_says_so_and_a_dead_holders_pid_is_not_
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
+
+
+def test_a_run_that_finished_here_while_this_one_loaded_is_not_overwritten(llama_dir, uninterrupted, tmp_path,
+                                                                           monkeypatch):
+    # Two commands into one new --output-dir: both passed the check before either locked it,
+    # and the second one to lock truncated the first one's metrics.
+    from mlxft import models
+
+    out = tmp_path / "run"
+    first = config(llama_dir, uninterrupted[0], out, max_steps=1)
+    real_load = models.load
+
+    def load_while_another_run_trains(*args, **kwargs):
+        monkeypatch.setattr(models, "load", real_load)
+        Trainer(first).train()
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(models, "load", load_while_another_run_trains)
+    with pytest.raises(UserError, match="already holds a run; choose another --output-dir"):
+        Trainer(config(llama_dir, uninterrupted[0], out, max_steps=1))
+    assert (out / checkpoint.METRICS_FILE).read_text().strip()  # the first run's records stay
+    assert (out / "final").is_dir()
+
+
+@pytest.mark.parametrize("inside", ["", "sub"])
+def test_an_output_dir_that_is_or_is_inside_the_resumed_checkpoint_is_refused(llama_dir, uninterrupted, tmp_path,
+                                                                            inside):
+    # With --overwrite the run cleared the checkpoint it was reading, then wrote over its adapter.
+    data = uninterrupted[0]
+    Trainer(config(llama_dir, data, tmp_path / "a", max_steps=1)).train()
+    source = tmp_path / "a" / "final"
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    with pytest.raises(UserError, match=f"--output-dir .* {'is inside' if inside else 'is'} the checkpoint .* "
+                                        "being resumed"):
+        Trainer(config(llama_dir, data, source / inside, resume=str(source), max_steps=2, overwrite=True))
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
+
+
+def test_damaged_optimizer_window_and_state_files_are_one_line_errors(llama_dir, uninterrupted, tmp_path):
+    # Each of these was a KeyError, TypeError or MLX traceback, or (an empty optimizer file) a
+    # resume with fresh moments that no longer equalled the uninterrupted run.
+    data = uninterrupted[0]
+    out = tmp_path / "run"
+    first = Trainer(config(llama_dir, data, out))
+    stop_after(first, 1)  # inside a window: the checkpoint holds one
+    with pytest.raises(TrainingStopped) as stopped:
+        first.train()
+    ckpt = stopped.value.checkpoint
+    window, optimizer = mx.load(str(ckpt / checkpoint.WINDOW_FILE)), mx.load(str(ckpt / checkpoint.OPTIMIZER_FILE))
+    state = json.loads((ckpt / checkpoint.TRAINER_STATE).read_text())
+    name = next(k for k in window if not k.startswith("mlxft."))
+    renamed = {(k + ".x" if k == name else k): v for k, v in window.items()}
+    moment = next(k for k, v in optimizer.items() if v.ndim)
+    damages = [
+        (checkpoint.WINDOW_FILE, renamed, f"has no gradient of '{name}'"),
+        (checkpoint.WINDOW_FILE, {k: v for k, v in window.items() if k != "mlxft.tokens"}, "has no scalar 'mlxft.tokens'"),
+        (checkpoint.OPTIMIZER_FILE, {"step": optimizer["step"]}, "has no '"),
+        (checkpoint.OPTIMIZER_FILE, {**optimizer, moment: optimizer[moment][..., :1]}, f"'{moment}' has shape"),
+        (checkpoint.TRAINER_STATE, {**state, "unlogged": "junk"}, "has no valid 'unlogged'"),
+        (checkpoint.TRAINER_STATE, {**state, "last_val_step": "3"}, "has no valid 'last_val_step'"),
+    ]
+    originals = {f: (ckpt / f).read_bytes() for f in (checkpoint.WINDOW_FILE, checkpoint.OPTIMIZER_FILE,
+                                                      checkpoint.TRAINER_STATE)}
+    for file, content, message in damages:
+        if file.endswith(".json"):
+            (ckpt / file).write_text(json.dumps(content))
+        else:
+            mx.save_safetensors(str(ckpt / file), content)
+        with pytest.raises(UserError, match=f"{file}:? {re.escape(message)}") as refused:
+            Trainer(config(llama_dir, data, out, resume="latest"))
+        assert "\n" not in str(refused.value)
+        (ckpt / file).write_bytes(originals[file])
+    Trainer(config(llama_dir, data, out, resume="latest")).train()  # the checkpoint put right resumes

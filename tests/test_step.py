@@ -15,6 +15,7 @@ from mlxft import lora, models
 from mlxft.config import AdapterConfig, OptimConfig
 from mlxft.data import Example, make_batch
 from mlxft.loss import loss_fn
+from mlxft.errors import UserError
 from mlxft.optim import build_optimizer, learning_rate_at, load_state
 from mlxft.step import MASTER_KEY, LossScaler, build_step, gradient_tree, gradient_window, optimizer_state
 
@@ -280,11 +281,26 @@ def test_older_checkpoints_count_every_step_as_applied():
     """Optimizer state saved before the applied count existed: its runs corrected by the step."""
     opt = build_optimizer(OptimConfig(bias_correction=True), total_steps=10)
     opt.init({"w": mx.zeros((3,))})
-    load_state(opt, {"step": mx.array(7, mx.uint64), "learning_rate": mx.array(1e-3),
-                     "w": {"m": mx.ones((3,)), "v": mx.ones((3,))}})
-    assert opt.state["applied_updates"].item() == 7
-    load_state(opt, {"step": mx.array(7, mx.uint64), "applied_updates": mx.array(5, mx.uint64)})
+    moments = {"w.m": mx.ones((3,)), "w.v": mx.ones((3,))}
+    load_state(opt, {"step": mx.array(7, mx.uint64), "learning_rate": mx.array(1e-3), **moments}, "opt")
+    assert opt.state["applied_updates"].item() == 7 and opt.state["w"]["m"].tolist() == [1, 1, 1]
+    load_state(opt, {"step": mx.array(7, mx.uint64), "applied_updates": mx.array(5, mx.uint64), **moments}, "opt")
     assert opt.state["applied_updates"].item() == 5
+
+
+@pytest.mark.parametrize("saved, message", [
+    ({}, "has no 'w.m'; the checkpoint is damaged"),
+    ({"w.m": mx.ones((3,))}, "has no 'w.v'"),
+    ({"w.m": mx.ones((3,)), "w.v": mx.ones((4,))}, r"'w.v' has shape \(4,\), but this run's parameter needs \(3,\)"),
+    ({"w.m": mx.ones((3,)), "w.v": mx.ones((3,)), "x.m": mx.ones((3,))}, "holds 'x.m', which this run's optimizer"),
+    ({"w.m": mx.ones((3,)), "w.v": mx.ones((3,)), "step": mx.ones((3,))}, "holds a non-scalar 'step'"),
+])
+def test_optimizer_state_of_other_parameters_is_refused_by_name(saved, message):
+    # An empty or another run's optimizer.safetensors resumed with fresh moments, without a word.
+    opt = build_optimizer(OptimConfig(), total_steps=10)
+    opt.init({"w": mx.zeros((3,))})
+    with pytest.raises(UserError, match=f"^run/optimizer.safetensors:? {message}"):
+        load_state(opt, saved, "run/optimizer.safetensors")
 
 
 def test_optimizer_step_k_uses_rate_k():
