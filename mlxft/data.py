@@ -140,7 +140,9 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     """(line number, object) for every non-blank line; malformed lines are errors."""
     rows = []
     try:
-        with open(path, encoding="utf-8-sig") as f:  # a BOM (Windows editors) is not part of line 1
+        # A BOM (Windows editors) is not part of line 1. Lines end at "\n" only, as JSONL's do: a
+        # carriage return alone is inside a row (where JSON refuses it in a string), not a new line.
+        with open(path, encoding="utf-8-sig", newline="\n") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -222,6 +224,9 @@ def _need_text(value: str, name: str, where: str) -> None:
                         f"character {err.start}); fix the \\u escape or remove it") from err
 
 
+_COMMON_ROLES = ("system", "user", "assistant", "tool")
+
+
 def check_row(row: dict, where: str) -> str:
     """The row's shape, once its fields have the types that shape needs (no tokenizer needed)."""
     kind = row_kind(row, where)
@@ -238,6 +243,10 @@ def check_row(row: dict, where: str) -> str:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise UserError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
             _need_all_text(m, f"messages[{i}]", where)  # tool calls and the like reach the template too
+            role = m["role"]
+            if role != role.strip().lower() and role.strip().lower() in _COMMON_ROLES:  # "Assistant" is not supervised
+                raise UserError(f"{where}: messages[{i}] has role {role!r}; chat templates know "
+                                f"{role.strip().lower()!r}: write that")
         tools = row.get("tools")
         if tools is not None:
             if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
@@ -636,6 +645,18 @@ def _with_reasoning_before(full: str, header: str, start: int, floor: int) -> in
     return h + len(header) + (len(body) - len(body.lstrip()))
 
 
+def _check_rendered(messages: list, full: str, where: str) -> None:
+    """Refuse a message the template left out: most templates skip a role they do not know
+    ("developer", "human"), and the model would train without it. Earlier answers' reasoning
+    blocks may go (Qwen3 drops them); templates may trim."""
+    for i, m in enumerate(messages):
+        content = (without_reasoning(m["content"]) if m["role"] == "assistant" else m["content"]).strip()
+        if content and content not in full:
+            raise UserError(f"{where}: messages[{i}] (role {m['role']!r}) is not in the chat template's rendering, "
+                            f"which leaves out what it does not know; use a role it renders (such as "
+                            f"{', '.join(_COMMON_ROLES)})")
+
+
 def encode_chat(tokenizer, messages: list, completion_only: bool, where: str,
                 tools: list | None = None) -> tuple[list[int], list[bool]]:
     """Render with the chat template; supervise every assistant turn, its end-of-turn included.
@@ -646,6 +667,7 @@ def encode_chat(tokenizer, messages: list, completion_only: bool, where: str,
         full = _render(tokenizer, messages, False, tools)
     except Exception as err:  # jinja raises its own exception types for template errors
         raise UserError(f"{where}: the chat template rejected these messages ({first_line(err)})") from err
+    _check_rendered(messages, full, where)
     spans = _incremental_spans(tokenizer, messages, full, tools)
     if spans is None:
         spans = _marked_spans(tokenizer, messages, full, where, tools)

@@ -105,6 +105,32 @@ def test_a_template_that_rejects_a_chat_ending_with_a_question_still_masks_the_a
     assert supervised(tokenizer, turns(("2+2?", "4"), ("3+3?", "6"))) == ["4<|im_end|>\n", "6<|im_end|>\n"]
 
 
+def test_rows_end_at_line_feeds_only(tmp_path, tokenizer):
+    # A carriage return between a row's tokens (JSON whitespace) split the row in two, an error
+    # about a string cut short; Windows line ends stay fine.
+    path = tmp_path / "cr.jsonl"
+    path.write_bytes(b'{"text":\r "one"}\r\n{"text": "two"}\r\n{"text": "a\rb"}\n')
+    with pytest.raises(UserError, match="cr.jsonl line 3: invalid JSON"):
+        check_file(path)
+    path.write_bytes(path.read_bytes().rsplit(b"\n", 2)[0] + b"\n")
+    assert [e.ids.size > 1 for e in load_dataset(path, tokenizer, 64).examples] == [True, True]
+
+
+def test_a_message_the_template_leaves_out_is_an_error_not_a_silent_drop(tmp_path, tokenizer, monkeypatch):
+    # Templates skip roles they do not know: the "developer" instruction never reached the model.
+    known = ("{% for m in messages %}{% if m.role in ['user', 'assistant'] %}<|im_start|>{{ m.role }}\n"
+             "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    monkeypatch.setattr(tokenizer._tokenizer, "chat_template", known)
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]},
+            {"messages": [{"role": "developer", "content": "Answer in French."}, *turns(("hi", "oui"))]}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(UserError, match=r"d.jsonl line 2: messages\[0\] \(role 'developer'\) is not in the chat "
+                                        "template's rendering"):
+        load_dataset(path, tokenizer, 64)
+    assert len(load_dataset(write_jsonl(tmp_path / "ok.jsonl", rows[:1]), tokenizer, 64)) == 1
+
+
 def test_end_of_turn_excludes_what_ends_the_conversation(tokenizer, monkeypatch):
     """A Phi-3.5-style template appends EOS after the last turn: earlier turns still end with <|end|>."""
     phi = ("{% for m in messages %}{{ '<|' + m.role + '|>\n' + m.content + '<|end|>\n' }}{% endfor %}"
@@ -167,6 +193,8 @@ def test_truncation_and_skipping_are_counted(tmp_path, tokenizer, capsys):
         ("plain text, not JSONL\n", "line 1: invalid JSON (Expecting value at column 1); mlxft reads JSONL: one "),
         ('[{"text": "a"}]\n', "line 1: expected a JSON object, got an array; mlxft reads JSONL"),
         ('{"text": "a\tb"}\n', "(Invalid control character at column 12); write tabs and line breaks inside "),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "Assistant", "content": "a"}]}\n',
+         "line 1: messages[1] has role 'Assistant'; chat templates know 'assistant': write that"),
     ],
 )
 def test_bad_rows_name_file_and_line(tmp_path, tokenizer, content, message):
