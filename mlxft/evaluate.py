@@ -100,7 +100,9 @@ def evaluate(model, tokenizer, path, *, batch_size: int = TrainConfig.batch_size
     loss_sum, tokens, scored = mx.array(0.0), mx.array(0.0), set()
     try:
         for indices in data.epoch_batches(dataset.lengths, batch_size, 0, 0, shuffle=False, max_batches=max_batches):
-            batch = data.make_batch([dataset.examples[j] for j in indices], batch_size, bucket)
+            # Padded to its own rows: --batch-size past the set's size (or a short last batch) adds
+            # no all-padding rows, which cost memory and time (a huge one crashed MLX).
+            batch = data.make_batch([dataset.examples[j] for j in indices], len(indices), bucket)
             loss, ntokens = evaluation_loss(model, *batch.arrays(), chunk=loss_chunk)
             loss_sum, tokens = loss_sum + loss * ntokens, tokens + ntokens
             mx.eval(loss_sum, tokens)

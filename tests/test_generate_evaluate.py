@@ -99,7 +99,8 @@ def test_evaluate_leaves_the_model_in_the_mode_it_came_in(llama_dir, runs_root):
         assert loaded.model.training is mode
 
 
-def test_evaluate_is_token_weighted_and_matches_the_trainer(llama_dir, runs_root, capsys):
+def test_evaluate_is_token_weighted_and_matches_the_trainer(llama_dir, runs_root, capsys, monkeypatch):
+    make_batch = data.make_batch
     run = trained_run(runs_root, llama_dir)
     valid = data_dir(runs_root) / "valid.jsonl"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -111,6 +112,11 @@ def test_evaluate_is_token_weighted_and_matches_the_trainer(llama_dir, runs_root
     expected_tokens = data.load_dataset(valid, loaded.tokenizer, 2048).supervised_tokens
     assert one.tokens == three.tokens == expected_tokens and one.rows == 5
     assert one.loss == pytest.approx(three.loss, rel=1e-5)
+    made = []
+    monkeypatch.setattr(data, "make_batch", lambda rows, size, *a, **k: made.append(size) or make_batch(rows, size, *a, **k))
+    huge = evaluate(loaded.model, loaded.tokenizer, valid, batch_size=100_000)  # was 100,000 rows of padding
+    assert made == [5] and huge.tokens == three.tokens and huge.loss == pytest.approx(three.loss, rel=1e-5)
+    monkeypatch.undo()
     chunked = evaluate(loaded.model, loaded.tokenizer, valid, batch_size=3, loss_chunk=4)
     assert chunked.loss == pytest.approx(three.loss, rel=1e-5) and chunked.tokens == three.tokens
     assert one.loss == pytest.approx(trainer_loss["val_loss"], rel=1e-5) and one.tokens == trainer_loss["val_tokens"]
