@@ -50,9 +50,15 @@ def export(adapter, fmt: str, out, *, model: str = "", overwrite: bool = False, 
     adapters.check_adapter_named(adapter)
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if model and not model.startswith("builtin:"):
+        models.check_model_name(model)  # recorded in the output, which would name a base no one can load
     model = models.absolute_name(model or "")  # recorded: it must name the base from any directory
     out = Path(out).expanduser()
     weights, spec = adapters.load_adapter_dir(adapter)
+    base_type = (models.peek_config(model) or {}).get("model_type")
+    if base_type and spec.model_type and base_type != spec.model_type:
+        raise UserError(f"--model {model} is a {base_type} model, but {spec.path} was trained on a {spec.model_type} "
+                        "model; pass the adapter's base")
     # The base is read for mlx-lm's layer count; --overwrite must not delete it either.
     check_output_apart(out, "--out", {"adapter directory": spec.path,
                                       "base model": model or spec.base_model})

@@ -32,19 +32,28 @@ def absolute_name(name: str) -> str:
     return str(path.resolve()) if name and not name.startswith("builtin:") and path.exists() else name
 
 
-def resolve_model_path(name: str, revision: str = "") -> Path:
-    """A local model directory as is, or a hub repo id downloaded (cached) via huggingface-hub."""
+def check_model_name(name: str) -> bool:
+    """Refuse a --model that is neither a model directory nor a hub repo id; True where it is
+    a local directory (with a config.json)."""
     path = Path(name).expanduser()
     if path.exists():
-        if revision:  # a local directory is whatever is checked out there
-            raise UserError(f"model.revision (--revision) {revision!r} applies to a hub repo id, but {path} is a local "
-                            "directory; drop --revision, or pass the repo id as --model")
         if not (path / "config.json").is_file():
             raise UserError(f"model directory {path} has no config.json; point --model at an mlx-lm/HF model directory")
-        return path
+        return True
     looks_like_repo = name.count("/") == 1 and not name.startswith((".", "/", "~"))
     if not looks_like_repo:
         raise UserError(f"model directory {name} does not exist; check --model")
+    return False
+
+
+def resolve_model_path(name: str, revision: str = "") -> Path:
+    """A local model directory as is, or a hub repo id downloaded (cached) via huggingface-hub."""
+    path = Path(name).expanduser()
+    if check_model_name(name):
+        if revision:  # a local directory is whatever is checked out there
+            raise UserError(f"model.revision (--revision) {revision!r} applies to a hub repo id, but {path} is a local "
+                            "directory; drop --revision, or pass the repo id as --model")
+        return path
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS

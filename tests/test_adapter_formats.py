@@ -291,6 +291,7 @@ def test_mismatched_adapters_are_refused_and_leave_the_model_as_it_was(llama_dir
     with pytest.raises(UserError, match="contains the adapter directory"):
         export(anc / "run1", "mlx-lm", anc, overwrite=True)
     (anc / "base").mkdir()
+    (anc / "base" / "config.json").write_text(json.dumps(LLAMA_CONFIG))
     with pytest.raises(UserError, match="contains the base model"):
         export(llama_run, "peft", anc, model=str(anc / "base"), overwrite=True)
     assert sorted(p.name for p in anc.iterdir()) == ["base", "run1"] and (anc / "run1" / "adapters.safetensors").exists()
@@ -505,6 +506,16 @@ def test_export_records_a_relative_base_path_as_absolute(llama_dir, runs_root, t
     monkeypatch.chdir(tmp_path)
     out = export(run, "peft", tmp_path / "peft", model="base")
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
+
+
+def test_export_refuses_a_base_that_is_missing_or_of_another_family(llama_dir, lfm2_dir, runs_root, tmp_path):
+    # Both were written into the exported adapter_config.json, which then named a base no one could use.
+    run = synthetic_run(runs_root, llama_dir, "lora")
+    with pytest.raises(UserError, match=f"model directory {tmp_path}/nowhere does not exist; check --model"):
+        export(run, "peft", tmp_path / "a", model=str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match=r"--model .* is a lfm2 model, but .* was trained on a llama model"):
+        export(run, "peft", tmp_path / "b", model=str(lfm2_dir))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_an_export_from_before_the_header_said_partial_still_loads(llama_dir, tmp_path):
