@@ -326,10 +326,21 @@ def _mlx_lm_spec(path: Path, config: dict) -> AdapterSpec:
     return AdapterSpec(
         fine_tune_type=fine_tune_type, rank=rank, scale=scale,
         dropout=_dropout(params, "dropout", where), targets=targets if fine_tune_type == "full" else [],
-        num_layers=num_layers, model_type=str(config.get("model_type", "")),
-        base_model=str(config.get("base_model") or config.get("model") or ""),
-        base_revision=str(config.get("base_revision") or ""), source="mlx-lm", path=path,
+        num_layers=num_layers, model_type=_text(config, "model_type", where),
+        base_model=_text(config, "base_model", where) or _text(config, "model", where),
+        base_revision=_text(config, "base_revision", where), source="mlx-lm", path=path,
         base_quantization=_base_quantization(config.get("base_quantization"), where))
+
+
+def _text(config: dict, key: str, where: Path) -> str:
+    """A string field of an adapter config, "" where missing or null: a number or list there
+    would be taken as a model name or revision."""
+    value = config.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise UserError(f"{where}: field {key!r} must be a string, got {json.dumps(value)}; fix or remove it")
+    return value
 
 
 def _read_peft(path: Path) -> tuple[dict[str, mx.array], AdapterSpec]:
@@ -375,7 +386,7 @@ def _read_peft(path: Path) -> tuple[dict[str, mx.array], AdapterSpec]:
     spec = AdapterSpec(
         fine_tune_type="dora" if use_dora else "lora", rank=rank, scale=scale,
         dropout=_dropout(config, "lora_dropout", where), targets=[], num_layers=None,
-        base_model=str(config.get("base_model_name_or_path") or ""), base_revision=str(config.get("revision") or ""),
+        base_model=_text(config, "base_model_name_or_path", where), base_revision=_text(config, "revision", where),
         source="peft", path=path, partial=True)
     return weights, spec
 

@@ -236,6 +236,12 @@ def test_malformed_adapter_directories(llama_dir, runs_root, tmp_path):
     (plain / "adapter_config.json").write_text(json.dumps({"num_layers": 2, "lora_parameters": {
         "rank": 8, "scale": 2.0, "dropout": 1.5}}))
     refused(plain, r"'dropout' must be in \[0, 1\)")
+    # A number as the base was read as a model named "123".
+    (plain / "adapter_config.json").write_text(json.dumps({"num_layers": 2, "model": 123, "lora_parameters": {
+        "rank": 8, "scale": 2.0}}))
+    refused(plain, "field 'model' must be a string, got 123; fix or remove it")
+    refused(_break_peft(_copy(peft_dir, tmp_path, "base"), base_model_name_or_path=["a"]),
+            r"field 'base_model_name_or_path' must be a string, got \[\"a\"\]")
 
     refused(_break_peft(_copy(peft_dir, tmp_path, "ia3"), peft_type="IA3"), "peft_type 'IA3'")
     refused(_break_peft(_copy(peft_dir, tmp_path, "dora"), use_dora=True), "use_dora is True")
