@@ -648,10 +648,12 @@ def _with_reasoning_before(full: str, header: str, start: int, floor: int) -> in
 def _check_rendered(messages: list, full: str, where: str) -> None:
     """Refuse a message the template left out: most templates skip a role they do not know
     ("developer", "human"), and the model would train without it. Earlier answers' reasoning
-    blocks may go (Qwen3 drops them); templates may trim."""
+    blocks may go (Qwen3 drops them); templates may trim, or write a tool result as a JSON
+    string (Llama 3.1's ``| tojson``)."""
     for i, m in enumerate(messages):
         content = (without_reasoning(m["content"]) if m["role"] == "assistant" else m["content"]).strip()
-        if content and content not in full:
+        forms = (content, json.dumps(content, ensure_ascii=False)[1:-1], json.dumps(content)[1:-1])
+        if content and not any(form in full for form in forms):
             raise UserError(f"{where}: messages[{i}] (role {m['role']!r}) is not in the chat template's rendering, "
                             f"which leaves out what it does not know; use a role it renders (such as "
                             f"{', '.join(_COMMON_ROLES)})")

@@ -129,6 +129,13 @@ def test_a_message_the_template_leaves_out_is_an_error_not_a_silent_drop(tmp_pat
                                         "template's rendering"):
         load_dataset(path, tokenizer, 64)
     assert len(load_dataset(write_jsonl(tmp_path / "ok.jsonl", rows[:1]), tokenizer, 64)) == 1
+    # Llama 3.1's template writes a tool's result as a JSON string: escaped, but there.
+    as_json = known.replace("{% if m.role in ['user', 'assistant'] %}", "{% if m.role == 'tool' %}{{ m.content | tojson }}"
+                            "{% elif m.role in ['user', 'assistant'] %}")
+    monkeypatch.setattr(tokenizer._tokenizer, "chat_template", as_json)
+    tool = [{"messages": [*turns(("weather?", "Let me look.")), {"role": "tool", "content": '{"sky": "clear"}\nü'},
+                          {"role": "assistant", "content": "Clear."}]}]
+    assert len(load_dataset(write_jsonl(tmp_path / "tool.jsonl", tool), tokenizer, 64)) == 1
 
 
 def test_end_of_turn_excludes_what_ends_the_conversation(tokenizer, monkeypatch):
