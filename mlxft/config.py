@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import math
 import numbers
 import os
+import reprlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -262,16 +264,28 @@ class RunConfig:
         return config
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlist = _SHOWN.maxdict = 4
+_SHOWN.maxlevel = 2
+
+
+def _shown(value: Any) -> str:
+    """A value as an error quotes it: short, however large (a YAML alias can nest a billion items)."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
 def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
     """Check a value's type against the field's default and convert where lossless."""
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise UserError(f"{where}: expected true or false, got {value!r}")
+            raise UserError(f"{where}: expected true or false, got {_shown(value)}")
     elif isinstance(default, int):
         # numbers.Integral takes NumPy's integers (np.int64 is no int); floats, even 2.0, stay refused.
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise UserError(f"{where}: expected an integer, got {value!r}")
+            raise UserError(f"{where}: expected an integer, got {_shown(value)}")
         value = int(value)
     elif isinstance(default, float):
         if isinstance(value, str):  # PyYAML reads 1e-4 (no dot before the e) as a string
@@ -280,7 +294,7 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, numbers.Real):  # Real takes np.float32 and np.int64
-            raise UserError(f"{where}: expected a number, got {value!r}")
+            raise UserError(f"{where}: expected a number, got {_shown(value)}")
         try:
             value = float(value)
         except OverflowError:  # an integer of hundreds of digits
@@ -289,15 +303,15 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise UserError(f"{where}: expected a list of names, got {value!r}")
+            raise UserError(f"{where}: expected a list of names, got {_shown(value)}")
     elif isinstance(default, str):
         if isinstance(value, os.PathLike):  # scripts pass pathlib.Path; the saved config.yaml needs a str
             value = os.fspath(value)
         if not isinstance(value, str):
-            raise UserError(f"{where}: expected a string or path, got {value!r}")
+            raise UserError(f"{where}: expected a string or path, got {_shown(value)}")
     choices = f.metadata.get("choices")
     if choices is not None and value not in choices:
-        raise UserError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+        raise UserError(f"{where}: {_shown(value)} is not one of {', '.join(map(str, choices))}")
     return value
 
 
@@ -329,6 +343,8 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: explicit keys override those
+                continue
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool)):
                 continue  # unhashable: PyYAML's own construction reports it
@@ -461,6 +477,30 @@ def _as_assigned(value: Any, f: dataclasses.Field) -> Any:
     return value
 
 
+MAX_TIMEOUT = 1e6  # seconds (11.6 days); past about 1e10 the watchdog's clock overflows
+
+
+def _path_problem(value: str) -> str | None:
+    """Why the OS could not take ``value`` as a path, found before any work starts (a run that
+    trained for hours must not fail writing its checkpoint), or None."""
+    if not value:
+        return None
+    if "\0" in value:
+        return f"{value!r} holds a NUL character"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # bytes of another encoding, passed through by the shell
+        return f"{_shown(value)} is not UTF-8 text, which MLX's file writers need"
+    try:
+        os.stat(Path(value).expanduser())
+    except OSError as err:
+        if err.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+            return f"{_shown(value)}: {err.strerror}"
+    except ValueError as err:
+        return f"{_shown(value)}: {first_line(err)}"
+    return None
+
+
 def validate(config: RunConfig, model_given: bool = False, data_given: bool = False) -> None:
     """Reject values no run can use, naming the field and what to do. ``model_given`` and
     ``data_given``: a script passes the model or the datasets in, so the config need not name them."""
@@ -518,6 +558,10 @@ def validate(config: RunConfig, model_given: bool = False, data_given: bool = Fa
          f"length_bucket) exceed 2**31 tokens a micro-batch; lower batch_size, max_seq_length or length_bucket")
     need(o.learning_rate > 0 and math.isfinite(o.learning_rate), "optim.learning_rate", "must be > 0")
     need(0 <= o.min_learning_rate <= o.learning_rate, "optim.min_learning_rate", "must be in [0, learning_rate]")
+    need(o.min_learning_rate == 0 or o.schedule != "constant", "optim.min_learning_rate",
+         "applies to the linear and cosine schedules, which decay to it; drop it or choose --schedule cosine")
+    need(config.model.quantize or config.model.quantize_group_size == ModelConfig.quantize_group_size,
+         "model.quantize_group_size", "applies to runs that quantize the base; add --quantize or drop it")
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(o.optimizer != "adam" or o.weight_decay == 0, "optim.weight_decay", "Adam has no weight decay; use --optimizer adamw")
@@ -541,5 +585,10 @@ def validate(config: RunConfig, model_given: bool = False, data_given: bool = Fa
     for name in ("eval_every", "save_every", "max_eval_batches", "exact_match_rows", "keep_checkpoints"):
         need(getattr(t, name) >= 0, f"train.{name}", "must be >= 0")
     need(t.log_every >= 1, "train.log_every", "must be >= 1")
-    need(bool(t.output_dir), "train.output_dir", "must name a directory")
-    need(t.dist_timeout > 0, "train.dist_timeout", "must be > 0 seconds")
+    need(bool(t.output_dir.strip()), "train.output_dir", "must name a directory")
+    need(0 < t.dist_timeout <= MAX_TIMEOUT, "train.dist_timeout", f"must be > 0 and at most {MAX_TIMEOUT:g} seconds")
+    for name, value in (("model.model", config.model.model), ("data.data", d.data), ("data.train_file", d.train_file),
+                        ("data.valid_file", d.valid_file), ("adapter.init_adapter", a.init_adapter),
+                        ("train.resume", t.resume), ("train.output_dir", t.output_dir)):
+        problem = _path_problem(value)
+        need(problem is None, name, f"{problem}; choose another path")

@@ -166,6 +166,7 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
     if quantize:
         if is_quantized(model):
             raise UserError(f"model {name} is already quantized; drop --quantize")
+        _check_group_size(model, group_size)
         model.set_dtype(resolve_dtype(quantize_dtype or dtype))
         model, config = quantize_model(model, config, group_size, quantize)
     model.set_dtype(resolve_dtype(dtype))
@@ -175,6 +176,19 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
     mx.eval(model.parameters())
     model.freeze()
     return model, tokenizer, path, config
+
+
+def _check_group_size(model: nn.Module, group_size: int) -> None:
+    """mlx-lm leaves a layer whose input width the group size does not divide unquantized, and
+    the run would record a 4-bit base of which most stayed full precision (SmolLM2-135M's 576
+    at 128). Refused where another group size quantizes every layer."""
+    widths = {m.weight.shape[-1] for _, m in model.named_modules()
+              if isinstance(m, (nn.Linear, nn.Embedding)) and hasattr(m, "to_quantized")}
+    left = sorted(w for w in widths if w % group_size)
+    fits = [g for g in (128, 64, 32) if all(w % g == 0 for w in widths)]
+    if left and fits:
+        raise UserError(f"--quantize-group-size {group_size} does not divide this model's layer width {left[0]}, so "
+                        f"those layers would stay unquantized; use --quantize-group-size {fits[0]}")
 
 
 def is_quantized(model: nn.Module) -> bool:

@@ -77,6 +77,14 @@ def test_dora_and_full(llama_dir):
     assert any("layernorm" in k for k in last)
 
 
+def test_a_group_size_that_leaves_layers_unquantized_is_refused(llama_dir):
+    # The tiny model's widths are 64 and 128: at 128 mlx-lm quantized only the down projections,
+    # and the run recorded a 4-bit base.
+    with pytest.raises(UserError, match="--quantize-group-size 128 does not divide this model's layer width 64, so "
+                                        "those layers would stay unquantized; use --quantize-group-size 64"):
+        models.load(str(llama_dir), "float32", quantize=4, group_size=128)
+
+
 def test_qlora_on_a_quantized_base(llama_dir):
     model, _, _, _ = models.load(str(llama_dir), "float32", quantize=4, group_size=32)
     assert models.is_quantized(model)

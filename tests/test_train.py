@@ -272,6 +272,15 @@ def resolve_cli(*args, config_path=None):
         # Full fine-tuning trained on as if they were not there.
         (["--finetune", "full", "--dropout", "0.1"], "adapter.dropout: applies to --finetune lora or dora"),
         (["--finetune", "full", "--rank", "16"], "adapter.rank: applies to --finetune lora or dora"),
+        # Both were ignored without a word; the group size was saved in config.yaml as if used.
+        (["--schedule", "constant", "--min-learning-rate", "1e-5"], "optim.min_learning_rate: applies to the linear"),
+        (["--quantize-group-size", "32"], "model.quantize_group_size: applies to runs that quantize the base"),
+        # Past about 1e10 seconds the watchdog died in a traceback and no lost peer was noticed.
+        (["--dist-timeout", "1e10"], "train.dist_timeout: must be > 0 and at most 1e+06 seconds"),
+        # Paths the OS refuses: a traceback, or (not UTF-8) a run that trained, then could not save.
+        (["--output-dir", "x" * 300], "train.output_dir: 'xxxx"),
+        (["--output-dir", "run\udcff"], "train.output_dir: 'run\\udcff' is not UTF-8 text"),
+        (["--data", "d\0x"], "data.data: 'd\\x00x' holds a NUL character"),
     ],
 )
 def test_out_of_range_values_are_rejected(args, message):
@@ -312,6 +321,24 @@ def test_yaml_numbers_pyyaml_reads_as_strings(tmp_path):
         with pytest.raises(UserError, match=re.escape(message)):
             resolve_cli(config_path=path)
 
+
+
+def test_yaml_merge_keys_and_huge_values(tmp_path):
+    path = tmp_path / "run.yaml"
+    # A merge key was refused as an unknown tag; the explicit key wins over the merged one.
+    path.write_text("x: &base {max_steps: 3, batch_size: 2}\ntrain:\n  <<: *base\n  batch_size: 4\n")
+    with pytest.raises(UserError, match="unknown section 'x'"):
+        resolve_cli(config_path=path)
+    path.write_text("train:\n  <<: {max_steps: 3, batch_size: 2}\n  batch_size: 4\n")
+    train = resolve_cli(config_path=path).train
+    assert (train.max_steps, train.batch_size) == (3, 4)
+    # Nine levels of aliases: the error quoted all 10**9 names (minutes and gigabytes, then out of memory).
+    levels = ["a0: &a0 [" + ", ".join(["x"] * 10) + "]"]
+    levels += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    path.write_text("adapter:\n  targets: {\n" + ",\n".join("    " + line for line in levels) + "}\n")
+    with pytest.raises(UserError, match="adapter.targets: expected a list of names, got ") as refused:
+        resolve_cli(config_path=path)
+    assert len(str(refused.value)) < 400
 
 
 def test_a_key_given_twice_in_yaml_is_an_error(tmp_path):
