@@ -136,6 +136,19 @@ def test_fuse_refuses_bad_output_paths(llama_dir, runs_root, tmp_path, capsys):
     assert fuse_main(["--adapter", str(tmp_path / "link"), "--out", str(anc), "--overwrite"]) == 2
     assert "contains the adapter directory" in capsys.readouterr().err
     assert (anc / "run1" / "adapters.safetensors").exists()
+    # A base laid out as the hub cache lays it: the snapshot's files are links into blobs/,
+    # and --out blobs --overwrite deleted the weights.
+    hub = tmp_path / "hub"
+    (hub / "blobs").mkdir(parents=True)
+    (hub / "snapshots" / "abc").mkdir(parents=True)
+    for file in llama_dir.iterdir():
+        shutil.copy(file, hub / "blobs" / file.name)
+        (hub / "snapshots" / "abc" / file.name).symlink_to(f"../../blobs/{file.name}")
+    assert fuse_main(["--adapter", str(run), "--model", str(hub / "snapshots" / "abc"), "--out", str(hub / "blobs"),
+                      "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "is the base model" in err and f"(its files are links into {(hub / 'blobs').resolve()})" in err
+    assert sorted(p.name for p in (hub / "blobs").iterdir()) == sorted(p.name for p in llama_dir.iterdir())
     assert fuse_main(["--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--adapter" in err
