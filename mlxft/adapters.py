@@ -204,6 +204,12 @@ def _mlxft_spec(path: Path, meta: dict[str, str]) -> AdapterSpec:
         raise UserError(f"{where}: the header lacks the LoRA entry {err}; the file is damaged") from err
     except (ValueError, TypeError) as err:
         raise UserError(f"{where}: unreadable LoRA header entry ({err})") from err
+    # float() reads "nan" and "inf": a fused model of NaNs, written with exit 0.
+    for key, ok, what in (("rank", spec.rank >= 1, ">= 1"), ("scale", math.isfinite(spec.scale), "a finite number"),
+                          ("dropout", 0 <= spec.dropout < 1, "in [0, 1)"),
+                          ("num_layers", spec.num_layers == -1 or spec.num_layers >= 1, "-1 (all) or >= 1")):
+        if not ok:
+            raise UserError(f"{where}: the LoRA header's {key} must be {what}, got {meta[key]!r}; the file is damaged")
     config = _read_optional_json(path / checkpoint.ADAPTER_CONFIG)
     _check_config_agrees(path, config, spec)
     if not spec.base_model:  # runs written before the header recorded it
@@ -307,7 +313,9 @@ def _mlx_lm_spec(path: Path, config: dict) -> AdapterSpec:
     params = config.get("lora_parameters")
     if fine_tune_type == "full":
         params = params if isinstance(params, dict) else {}
-        rank, scale = int(params.get("rank", 1) or 1), float(params.get("scale", 1.0) or 1.0)
+        # Meaningless to a full fine-tune, but read as any LoRA run's are (a string was a traceback).
+        rank = _number(params, "rank", where, int) or 1 if params.get("rank") is not None else 1
+        scale = _number(params, "scale", where) or 1.0 if params.get("scale") is not None else 1.0
         # mlx-lm's full fine-tuning trains whole layers; mlxft's export names the modules it trained.
         keys = params.get("keys")
         targets = [str(k) for k in keys] if isinstance(keys, list) and keys else [lora.WHOLE_LAYERS]

@@ -248,6 +248,9 @@ def apply_adapter_weights(model: nn.Module, weights: dict[str, mx.array], source
     for name, value in weights.items():
         if name not in params:
             raise UserError(f"{source}: tensor {name} has no matching trainable parameter; the adapter is for another model or layout")
+        if not mx.issubdtype(value.dtype, mx.floating):  # astype would take an int or bool tensor as numbers
+            raise UserError(f"{source}: tensor {name} is {str(value.dtype).rsplit('.', 1)[-1]}, not floating "
+                            "point; the adapter is damaged")
         if tuple(value.shape) != tuple(params[name].shape):
             raise UserError(f"{source}: tensor {name} has shape {tuple(value.shape)} but the model expects {tuple(params[name].shape)} (another rank or model?)")
     missing = sorted(set(params) - set(weights))

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: the chat template when the tokenizer has one (as training does); "
                              f"raw: the prompt text as is (default: the run's, else {DataConfig.prompt_format})")
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 (the default) or below 1e-6 = greedy")
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold (0 = off)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument("--verbose", action="store_true", help="print prompt and generation speed to stderr")
@@ -61,12 +61,18 @@ def messages_for(prompt: str, system: str = "") -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 
+GREEDY_BELOW = 1e-6  # temperatures under this sample greedily
+
+
 def stream(model, tokenizer, prompt_ids: list[int], max_tokens: int = 256, temp: float = 0.0,
            top_p: float = 0.0) -> Iterator:
     """mlx-lm's stream_generate responses (``.text`` is the next piece of the answer)."""
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
+    # Logits over a temperature this small overflow to inf and the sampler draws from NaNs
+    # (random text at 1e-38): the limit it tends to is the greedy choice.
+    temp = temp if temp >= GREEDY_BELOW else 0.0
     yield from stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens,
                                sampler=make_sampler(temp=temp, top_p=top_p))
 
@@ -94,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     given = args.prompt_format or {"chat": "chat", "text": "raw"}.get(run_task(loaded.spec))
     prompt_format = run_setting(loaded.spec, "prompt_format", given, DataConfig.prompt_format)
     ids = prompt_ids(loaded.tokenizer, messages_for(prompt, system), prompt_format)
+    context = getattr(getattr(loaded.model, "args", None), "max_position_embeddings", None)
+    if isinstance(context, int) and len(ids) + args.max_tokens > context:  # rope scaling may stretch it: not refused
+        print(f"warning: the prompt's {len(ids)} tokens and --max-tokens {args.max_tokens} pass the model's "
+              f"context of {context} tokens (max_position_embeddings); the answer may be garbled past it",
+              file=sys.stderr)
     last = None
     try:
         for last in stream(loaded.model, loaded.tokenizer, ids, args.max_tokens, args.temp, args.top_p):

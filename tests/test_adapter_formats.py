@@ -243,6 +243,26 @@ def test_malformed_adapter_directories(llama_dir, runs_root, tmp_path):
     refused(_break_peft(_copy(peft_dir, tmp_path, "base"), base_model_name_or_path=["a"]),
             r"field 'base_model_name_or_path' must be a string, got \[\"a\"\]")
 
+    # The header's numbers went through float(): "nan" fused a model of NaNs with exit 0.
+    for key, value, message in (("scale", "nan", "scale must be a finite number, got 'nan'"),
+                                ("dropout", "2.0", r"dropout must be in \[0, 1\), got '2.0'"),
+                                ("rank", "0", "rank must be >= 1, got '0'")):
+        header = _copy(run, tmp_path, f"header-{key}")
+        weights, meta = mx.load(str(header / "adapters.safetensors"), return_metadata=True)
+        mx.save_safetensors(str(header / "adapters.safetensors"), weights, metadata={**meta, key: value})
+        refused(header, f"adapters.safetensors: the LoRA header's {message}; the file is damaged")
+    # A full fine-tune's mlx-lm config: its rank read with int() (a traceback).
+    (plain / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "full", "num_layers": 2,
+                                                           "lora_parameters": {"rank": "abc", "scale": 2.0}}))
+    refused(plain, "'rank' must be an integer, got 'abc'")
+    # Integer tensors were cast to numbers and fused.
+    ints = _copy(run, tmp_path, "ints")
+    weights, meta = mx.load(str(ints / "adapters.safetensors"), return_metadata=True)
+    mx.save_safetensors(str(ints / "adapters.safetensors"), {k: v.astype(mx.int32) for k, v in weights.items()},
+                        metadata=meta)
+    with pytest.raises(UserError, match="ints: tensor .* is int32, not floating point"):
+        adapters.load_with_adapter(str(llama_dir), str(ints))
+
     refused(_break_peft(_copy(peft_dir, tmp_path, "ia3"), peft_type="IA3"), "peft_type 'IA3'")
     refused(_break_peft(_copy(peft_dir, tmp_path, "dora"), use_dora=True), "use_dora is True")
     refused(_break_peft(_copy(peft_dir, tmp_path, "pattern"), rank_pattern={"q_proj": 8}), "rank_pattern")

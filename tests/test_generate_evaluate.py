@@ -438,3 +438,17 @@ def test_an_empty_adapter_is_refused_not_read_as_the_base_alone(llama_dir, chat_
         assert main(["--model", str(llama_dir), "--adapter", "", *args]) == 2
         assert capsys.readouterr().err.startswith("error: --adapter is empty;")
     assert not (tmp_path / "fused").exists() and not (tmp_path / "peft").exists()
+
+
+def test_a_tiny_temperature_is_greedy_and_a_prompt_past_the_context_is_warned_of(llama_dir, capsys):
+    # --temp 1e-38 overflowed the logits to inf and sampled random text from NaNs.
+    answers = []
+    for temp in ("0", "1e-38"):
+        assert generate_main(["--model", str(llama_dir), "--prompt", "What is 1 plus 2?", "--max-tokens", "6",
+                              "--temp", temp]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1]
+    # The tiny model's context is 1024 tokens; the prompt ran past it without a word.
+    assert generate_main(["--model", str(llama_dir), "--prompt", "hello " * 1100, "--max-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the prompt's " in err and "pass the model's context of 1024 tokens" in err
