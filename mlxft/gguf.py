@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import struct
@@ -313,8 +314,17 @@ def _read_bf16(path: Path, name: str, info: TensorInfo) -> mx.array:
 
 
 def _scalar(value: Any) -> Any:
-    """A plain Python value from MLX's 0-d metadata arrays (other values pass through)."""
-    return value.item() if isinstance(value, mx.array) else value
+    """A plain Python value from MLX's 0-d metadata arrays (other values, an array of several
+    where one is expected among them, pass through for the type checks to refuse)."""
+    return value.item() if isinstance(value, mx.array) and value.size == 1 else value
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, mx.array) and value.size != 1:
+        return f"an array of {value.size} values"
+    if isinstance(value, list):
+        return f"a list of {len(value)} values"
+    return repr(_scalar(value))
 
 
 class _Metadata:
@@ -333,7 +343,7 @@ class _Metadata:
         return self.values[key]
 
     def _damaged(self, key: str, value: Any, kind: str) -> UserError:
-        return UserError(f"{self.path}: GGUF metadata {key!r} is {_scalar(value)!r}, not {kind}; {_DAMAGED}")
+        return UserError(f"{self.path}: GGUF metadata {key!r} is {_described(value)}, not {kind}; {_DAMAGED}")
 
     def get_int(self, key: str, default: int | None = None, required: bool = False) -> int | None:
         value = self._get(key, default, required)
@@ -352,13 +362,16 @@ class _Metadata:
         return value
 
     def get_float(
-        self, key: str, default: float | None = None, required: bool = False
+        self, key: str, default: float | None = None, required: bool = False, positive: bool = False
     ) -> float | None:
         value = self._get(key, default, required)
         if value is None:
             return None
-        if not isinstance(_scalar(value), (int, float)) or isinstance(_scalar(value), bool):
-            raise self._damaged(key, value, "a number")
+        scalar = _scalar(value)
+        if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or not math.isfinite(scalar):
+            raise self._damaged(key, value, "a finite number")
+        if positive and scalar <= 0:  # an epsilon, a rope base: config.json would hold what no model runs
+            raise self._damaged(key, value, "a number > 0")
         if isinstance(value, mx.array):
             # GGUF floats are float32: print the shortest decimal that round-trips in float32
             # (1e-05, not 9.999999747378752e-06), as the original Hugging Face config had.
@@ -367,7 +380,12 @@ class _Metadata:
 
     def get_bool(self, key: str, default: bool | None = None) -> bool | None:
         value = self._get(key, default, False)
-        return None if value is None else bool(_scalar(value))
+        if value is None:
+            return None
+        scalar = _scalar(value)
+        if not isinstance(scalar, (bool, int, np.integer)):  # bool("false") is True
+            raise self._damaged(key, value, "true or false")
+        return bool(scalar)
 
     def get_str(self, key: str, default: str | None = None, required: bool = False) -> str | None:
         value = self._get(key, default, required)
@@ -375,10 +393,16 @@ class _Metadata:
             raise self._damaged(key, value, "text")
         return value
 
-    def get_list(self, key: str, required: bool = False) -> list | None:
+    def get_list(self, key: str, required: bool = False, kind: type = str) -> list | None:
+        """A list of ``kind`` (str, int or float: an int array passes as float)."""
         value = self._get(key, None, required)
         if isinstance(value, mx.array):
-            return value.tolist()
+            value = value.tolist() if value.ndim == 1 else value
+        if value is None:
+            return None
+        kinds = (int, float) if kind is float else (kind,)
+        if not isinstance(value, list) or not all(isinstance(v, kinds) and not isinstance(v, bool) for v in value):
+            raise self._damaged(key, value, f"a list of {'texts' if kind is str else kind.__name__ + 's'}")
         return value
 
 
@@ -404,7 +428,7 @@ def _rope_scaling(meta: _Metadata, arch: str, tensors: dict[str, mx.array]) -> d
         return _llama3_rope_scaling(meta, arch, tensors["rope_freqs.weight"])
     if kind in ("none", ""):
         return None
-    factor = meta.get_float(f"{arch}.rope.scaling.factor", 1.0)
+    factor = meta.get_float(f"{arch}.rope.scaling.factor", 1.0, positive=True)
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
@@ -438,7 +462,7 @@ def _llama3_rope_scaling(meta: _Metadata, arch: str, rope_freqs: mx.array) -> di
     """
     stored = np.array(rope_freqs.astype(mx.float32))
     head_dim = 2 * stored.shape[0]
-    theta = meta.get_float(f"{arch}.rope.freq_base", 10000.0)
+    theta = meta.get_float(f"{arch}.rope.freq_base", 10000.0, positive=True)
     scaling = {"rope_type": "llama3", "factor": float(stored.max()), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     expected = llama3_rope_factors(head_dim, theta, scaling["factor"], 1.0, 4.0, 8192)
@@ -461,6 +485,8 @@ def build_config(meta: _Metadata, tensors: dict[str, mx.array]) -> dict[str, Any
         raise UserError(f"{meta.path}: the embedding length {hidden} does not split into {heads} heads and no "
                         f"head size is given; {_DAMAGED}")
     head_dim = meta.get_count(f"{arch}.attention.key_length", hidden // heads)
+    if head_dim % 2:  # rotary embeddings turn pairs of dimensions (and the q/k permutation needs them)
+        raise UserError(f"{meta.path}: the head size {head_dim} is odd; {_DAMAGED}")
     value_dim = meta.get_count(f"{arch}.attention.value_length", head_dim)
     if value_dim != head_dim:
         raise UserError(f"{meta.path}: key and value head sizes differ ({head_dim} vs "
@@ -477,8 +503,8 @@ def build_config(meta: _Metadata, tensors: dict[str, mx.array]) -> dict[str, Any
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": meta.get_float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": meta.get_float(f"{arch}.rope.freq_base", 10000.0),
+        "rms_norm_eps": meta.get_float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5, positive=True),
+        "rope_theta": meta.get_float(f"{arch}.rope.freq_base", 10000.0, positive=True),
         "rope_scaling": _rope_scaling(meta, arch, tensors),
         "vocab_size": vocab,
         "max_position_embeddings": meta.get_count(f"{arch}.context_length", 2048),

@@ -99,7 +99,7 @@ def build_tokenizer(meta):
 
     model_kind = meta.get_str("tokenizer.ggml.model", required=True)
     tokens = meta.get_list("tokenizer.ggml.tokens", required=True)
-    types = meta.get_list("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    types = meta.get_list("tokenizer.ggml.token_type", kind=int) or [TOKEN_NORMAL] * len(tokens)
     _check_per_token(meta, "tokenizer.ggml.token_type", types, tokens)
 
     vocab: dict[str, int] = {}
@@ -122,7 +122,7 @@ def build_tokenizer(meta):
         tokenizer.decoder = decoders.ByteLevel()
         byte_level = True
     elif model_kind == "llama":
-        scores = meta.get_list("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        scores = meta.get_list("tokenizer.ggml.scores", kind=float) or [0.0] * len(tokens)
         _check_per_token(meta, "tokenizer.ggml.scores", scores, tokens)
         unk_id = _token_id(meta, "tokenizer.ggml.unknown_token_id", tokens, 0)
         tokenizer = Tokenizer(models.BPE(
@@ -175,7 +175,7 @@ def build_tokenizer(meta):
 def build_tokenizer_config(meta, config: dict[str, Any]) -> dict[str, Any]:
     """tokenizer_config.json for transformers' generic fast tokenizer, with the chat template."""
     tokens = meta.get_list("tokenizer.ggml.tokens", required=True)
-    types = meta.get_list("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    types = meta.get_list("tokenizer.ggml.token_type", kind=int) or [TOKEN_NORMAL] * len(tokens)
     result: dict[str, Any] = {
         # The generic class loads tokenizer.json as written; a model-specific class could
         # replace our pre-tokenizer with its own defaults.

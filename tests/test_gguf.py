@@ -460,6 +460,23 @@ def bad_inputs(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
                                     "'tokenizer.ggml.unknown_token_id' is 100000, past the"),
         "scores-short": (variant("scores", {**spm_tokenizer_metadata(), "tokenizer.ggml.scores": mx.array([0.0, 1.0])}),
                          "'tokenizer.ggml.scores' has 2 entries for"),
+        # Arrays where one value belongs, lists of the wrong type and an odd head size were
+        # tracebacks; a boolean as text, a NaN epsilon and a negative rope base were written
+        # into config.json as they came (NaN is not even JSON).
+        "heads-as-array": (variant("heads-array", {"llama.attention.head_count": mx.array([4, 4], mx.uint32)}),
+                           "'llama.attention.head_count' is an array of 2 values, not an integer"),
+        "merges-as-numbers": (variant("merges-int", {"tokenizer.ggml.merges": mx.array([1, 2], mx.int32)}),
+                              "'tokenizer.ggml.merges' is a list of 2 values, not a list of texts"),
+        "scores-as-text": (variant("scores-text", {**spm_tokenizer_metadata(), "tokenizer.ggml.scores": ["a", "b"]}),
+                           "'tokenizer.ggml.scores' is a list of 2 values, not a list of floats"),
+        "odd-head-size": (variant("odd-head", {"llama.attention.key_length": u32(15)}),
+                          "the head size 15 is odd"),
+        "bool-as-text": (variant("bool-text", {"tokenizer.ggml.add_bos_token": "false"}),
+                         "'tokenizer.ggml.add_bos_token' is 'false', not true or false"),
+        "nan-epsilon": (variant("nan-eps", {"llama.attention.layer_norm_rms_epsilon": mx.array(float("nan"))}),
+                        "'llama.attention.layer_norm_rms_epsilon' is nan, not a finite number"),
+        "negative-rope-base": (variant("rope", {"llama.rope.freq_base": mx.array(-1.0)}),
+                               "'llama.rope.freq_base' is -1.0, not a number > 0"),
     }
     # A tensor name's length read as 2**40 or 2**63 bytes: a MemoryError or an OverflowError.
     long_names = {}
