@@ -477,6 +477,18 @@ def _as_assigned(value: Any, f: dataclasses.Field) -> Any:
     return value
 
 
+def inert_settings(config: RunConfig) -> list[str]:
+    """Settings given that this run does not use, as warnings: refused, they would also stop
+    runs saved before the check from resuming."""
+    notes = []
+    if config.optim.min_learning_rate and config.optim.schedule == "constant":
+        notes.append(f"optim.min_learning_rate {config.optim.min_learning_rate:g} does nothing under the constant "
+                     "schedule (linear and cosine decay to it)")
+    if not config.model.quantize and config.model.quantize_group_size != ModelConfig.quantize_group_size:
+        notes.append(f"model.quantize_group_size {config.model.quantize_group_size} does nothing without --quantize")
+    return notes
+
+
 MAX_TIMEOUT = 1e6  # seconds (11.6 days); past about 1e10 the watchdog's clock overflows
 
 
@@ -509,6 +521,20 @@ def validate(config: RunConfig, model_given: bool = False, data_given: bool = Fa
         if not ok:
             raise UserError(f"config field {name}: {what}")
 
+    # A script's `config.train.learning_rate = ...` (optim's) or `config.train = {...}`: what
+    # from_dict refuses as an unknown key, not ignored or a TypeError later.
+    stray = sorted(set(vars(config)) - set(SECTIONS))
+    if stray:
+        raise UserError(f"config: unknown section '{stray[0]}' (known: {', '.join(SECTIONS)})")
+    for section, kind in SECTIONS.items():
+        target = getattr(config, section)
+        if not isinstance(target, kind):
+            raise UserError(f"config section '{section}' is a {type(target).__name__}, not {kind.__name__}; set its "
+                            f"fields (config.{section}.NAME = ...) or build the config with RunConfig.from_dict")
+        known = {f.name for f in fields(target)}
+        unknown = sorted(set(vars(target)) - known)
+        if unknown:
+            raise UserError(f"config: unknown key '{section}.{unknown[0]}' (known: {', '.join(sorted(known))})")
     for section in SECTIONS:  # values a script assigned (a Path, a NumPy number) pass as from_dict's do
         target = getattr(config, section)
         for f in fields(target):
@@ -558,10 +584,6 @@ def validate(config: RunConfig, model_given: bool = False, data_given: bool = Fa
          f"length_bucket) exceed 2**31 tokens a micro-batch; lower batch_size, max_seq_length or length_bucket")
     need(o.learning_rate > 0 and math.isfinite(o.learning_rate), "optim.learning_rate", "must be > 0")
     need(0 <= o.min_learning_rate <= o.learning_rate, "optim.min_learning_rate", "must be in [0, learning_rate]")
-    need(o.min_learning_rate == 0 or o.schedule != "constant", "optim.min_learning_rate",
-         "applies to the linear and cosine schedules, which decay to it; drop it or choose --schedule cosine")
-    need(config.model.quantize or config.model.quantize_group_size == ModelConfig.quantize_group_size,
-         "model.quantize_group_size", "applies to runs that quantize the base; add --quantize or drop it")
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(o.optimizer != "adam" or o.weight_decay == 0, "optim.weight_decay", "Adam has no weight decay; use --optimizer adamw")

@@ -46,6 +46,10 @@ class Example:
                             f"{mask.shape}); give mask[j] = whether token j is a supervised target")
         if ids.size and not np.issubdtype(ids.dtype, np.integer):
             raise UserError(f"Example: ids must be integer token ids, got {ids.dtype}")
+        if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
+            # int32 would wrap 2**32 + 7 to 7, a valid id
+            raise UserError(f"Example: token id {ids.max() if ids.max() > 0 else ids.min()} is outside the range of "
+                            "token ids; tokenize with the model's tokenizer")
         if mask.size and not (mask.dtype == bool or np.issubdtype(mask.dtype, np.integer)):
             raise UserError(f"Example: mask must be booleans (or 0/1), got {mask.dtype}")
         self.ids, self.mask = ids.astype(np.int32, copy=False), mask.astype(bool, copy=False)
@@ -68,6 +72,11 @@ class Dataset:
     lengths: np.ndarray = field(init=False)
 
     def __post_init__(self):
+        bad = next((e for e in self.examples if not isinstance(e, Example)), None) if isinstance(self.examples, list) \
+            else self.examples
+        if bad is not None:
+            raise UserError(f"Dataset: examples must be a list of mlxft.data.Example, got {type(bad).__name__}; "
+                            "build each as Example(ids, mask)")
         self.lengths = np.array([len(e.ids) for e in self.examples], dtype=np.int64)
 
     def __len__(self) -> int:
@@ -149,7 +158,9 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
                 try:
                     row = json.loads(line, object_pairs_hook=_unique_keys)
                 except json.JSONDecodeError as err:
-                    if "control character" in err.msg:
+                    if "\r" in line.rstrip("\r\n") and err.msg.startswith("Extra data"):
+                        advice = "its lines end in a carriage return alone (classic Mac); save the file with \\n line ends"
+                    elif "control character" in err.msg:
                         advice = "write tabs and line breaks inside strings as \\t and \\n"
                     elif not rows and not line.lstrip().startswith("{"):  # a .txt or a JSON array, not JSONL
                         advice = _JSONL
@@ -646,17 +657,19 @@ def _with_reasoning_before(full: str, header: str, start: int, floor: int) -> in
 
 
 def _check_rendered(messages: list, full: str, where: str) -> None:
-    """Refuse a message the template left out: most templates skip a role they do not know
-    ("developer", "human"), and the model would train without it. Earlier answers' reasoning
-    blocks may go (Qwen3 drops them); templates may trim, or write a tool result as a JSON
-    string (Llama 3.1's ``| tojson``)."""
+    """Refuse a message of a role templates commonly leave out ("developer", "human"): the
+    model would train without it. The common roles are not checked, as templates render them
+    by design in other words: Mistral's writes a system prompt only before the last question,
+    Llama 3.1's drops an answer's text beside its tool calls. A tool result may be written as
+    a JSON string (Llama 3.1's ``| tojson``) and content trimmed."""
     for i, m in enumerate(messages):
-        content = (without_reasoning(m["content"]) if m["role"] == "assistant" else m["content"]).strip()
+        content = m["content"].strip()
+        if m["role"] in _COMMON_ROLES or not content:
+            continue
         forms = (content, json.dumps(content, ensure_ascii=False)[1:-1], json.dumps(content)[1:-1])
-        if content and not any(form in full for form in forms):
-            raise UserError(f"{where}: messages[{i}] (role {m['role']!r}) is not in the chat template's rendering, "
-                            f"which leaves out what it does not know; use a role it renders (such as "
-                            f"{', '.join(_COMMON_ROLES)})")
+        if not any(form in full for form in forms):
+            raise UserError(f"{where}: messages[{i}] has role {m['role']!r}, which the chat template leaves out of "
+                            f"its rendering; use a role it renders (such as {', '.join(_COMMON_ROLES)})")
 
 
 def encode_chat(tokenizer, messages: list, completion_only: bool, where: str,
@@ -737,6 +750,8 @@ def load_dataset(path: Path, tokenizer, max_seq_length: int, completion_only: bo
     """Tokenize every row once; split long text rows into windows, truncate other long rows and
     skip rows with nothing supervised, saying so on stderr unless not ``warn`` (a data-parallel
     run's other ranks)."""
+    if not isinstance(max_seq_length, int) or max_seq_length < 2:  # a window must hold a token and its target
+        raise UserError(f"max_seq_length must be an integer >= 2, got {max_seq_length!r}")
     examples: list[Example] = []
     lines: list[int] = []
     kinds: dict[str, int] = {}

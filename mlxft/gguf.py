@@ -707,31 +707,37 @@ def check_output_apart(out: Path, label: str, inputs: dict[str, Any], inside_is_
         if not source or not Path(source).expanduser().exists():
             continue
         src = Path(source).expanduser().resolve()
-        for place in (src, *_linked_dirs(src)):
-            if target == place:
-                relation = "is"
-            elif place in target.parents and not inside_is_apart:
-                relation = "is inside"
-            elif target in place.parents:
-                relation = "contains"
-            else:
+        if target == src:
+            relation = "is"
+        elif src in target.parents and not inside_is_apart:
+            relation = "is inside"
+        elif target in src.parents:
+            relation = "contains"
+        else:
+            linked = next((path for path in _linked_paths(src) if target == path or target in path.parents), None)
+            if linked is None:
                 continue
-            where = "" if place == src else f" (its files are links into {place})"
-            raise UserError(f"{label} {out} {relation} the {what} {source}{where}; choose an output "
-                            "directory outside the inputs")
+            raise UserError(f"{label} {out} holds {linked}, a file of the {what} {source} (linked from there); "
+                            "choose an output directory outside the inputs")
+        raise UserError(f"{label} {out} {relation} the {what} {source}; choose an output "
+                        "directory outside the inputs")
 
 
-def _linked_dirs(directory: Path) -> set[Path]:
-    """Where the symlinked files of ``directory`` really live: a hub cache snapshot's files are
-    links into its ``blobs`` directory, which an output there would replace."""
+def _linked_paths(directory: Path) -> list[Path]:
+    """What the symlinks in ``directory`` point at (existing targets only): a hub cache
+    snapshot's files are links into its ``blobs`` directory, which an output there would replace."""
     if not directory.is_dir():
-        return set()
-    places = set()
+        return []
+    targets = []
     for path in directory.rglob("*"):
-        if path.is_symlink():
-            real = path.resolve()
-            places.add(real if real.is_dir() else real.parent)
-    return places
+        if not path.is_symlink():
+            continue
+        try:
+            real = path.resolve(strict=True)
+        except (OSError, RuntimeError):  # a dangling link, a loop: nothing there to lose
+            continue
+        targets.append(real)
+    return targets
 
 
 def _write_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> None:

@@ -93,6 +93,15 @@ def resolve_targets(targets: list[str], available: list[str]) -> list[str]:
     return sorted(chosen)
 
 
+def check(model: nn.Module, config: AdapterConfig) -> list[str]:
+    """The LoRA/DoRA targets ``config`` names in ``model``, once they and the rank are known
+    to fit, changing nothing (a refused run leaves a model passed in as it was)."""
+    layers = selected_layers(model, config.num_layers)
+    targets = resolve_targets(config.targets, linear_names(layers))
+    _check_rank(layers, targets, config.rank)
+    return targets
+
+
 def apply(model: nn.Module, config: AdapterConfig, seed: int) -> list[str]:
     """Make the requested part of ``model`` trainable; return the targeted module names.
 
@@ -104,8 +113,7 @@ def apply(model: nn.Module, config: AdapterConfig, seed: int) -> list[str]:
     layers = selected_layers(model, config.num_layers)
     if config.finetune == "full":
         return _unfreeze(model, layers, config)
-    targets = resolve_targets(config.targets, linear_names(layers))
-    _check_rank(layers, targets, config.rank)
+    targets = check(model, config)
     mx.random.seed(seed)
     try:
         linear_to_lora_layers(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 import uuid
@@ -21,12 +22,13 @@ from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 from mlxft import (_blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models,
                    normed, packing, runlock)
-from mlxft.config import RunConfig, validate
+from mlxft.config import RunConfig, inert_settings, validate
 from mlxft.errors import UserError, first_line, print_error
 from mlxft.gguf import check_output_apart
 from mlxft.loss import cross_entropy, evaluation_loss, frozen_head, hidden_loss, loss_fn
@@ -131,12 +133,31 @@ def _check_output_outside_checkpoint(run_dir: Path, resume_from: Path | None) ->
                         "or another --output-dir")
 
 
+def _check_creatable(run_dir: Path) -> None:
+    """Refuse an --output-dir that cannot be made (a parent that is a file, one not writable)
+    before the model changes; ``mkdir`` itself comes once the run is set up."""
+    parent = run_dir.expanduser().absolute()
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if run_dir.exists():
+        return
+    if not parent.is_dir():
+        raise UserError(f"cannot create --output-dir {run_dir}: {parent} is not a directory; choose a directory "
+                        "you can write to")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot create --output-dir {run_dir}: {parent} is not writable; choose a directory you "
+                        "can write to")
+
+
 def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | None, vocab_size: int | None) -> None:
     """What loading a JSONL file refuses, for datasets built in Python, and token ids the
     model's embedding does not have (MLX does not check an index)."""
     for name, dataset in (("train", train_set), ("validation", valid_set)):
         if dataset is None:
             continue
+        if len(dataset.lengths) != len(dataset.examples):  # batches follow lengths, steps follow examples
+            raise UserError(f"the {name} dataset holds {len(dataset.examples)} examples but was built with "
+                            f"{len(dataset.lengths)}; build a new Dataset after changing its examples")
         if not any(example.supervised for example in dataset.examples):
             raise UserError(f"the {name} dataset has no row with a supervised token; give rows with completions "
                             "or assistant turns")
@@ -164,6 +185,15 @@ def _check_arguments(config, model, tokenizer, datasets) -> None:
         and (datasets[1] is None or isinstance(datasets[1], data.Dataset))
     if datasets is not None and not given:
         raise UserError("datasets= takes a pair (train, valid or None) of mlxft.data.Dataset objects")
+    if model is not None and not isinstance(model, nn.Module):
+        hint = ("; mlx_lm.load returns (model, tokenizer): pass them as model= and tokenizer="
+                if isinstance(model, tuple) else "; to load one by name, set config.model.model instead")
+        raise UserError(f"model= takes an MLX model (mlx.nn.Module), not {type(model).__name__}{hint}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "encode", None)):
+        raise UserError(f"tokenizer= takes the model's tokenizer (with encode), not {type(tokenizer).__name__}")
+    if model is not None and tokenizer is None and config.train.exact_match_rows:
+        raise UserError("train.exact_match_rows: exact-match generates answers, which needs the model's tokenizer; "
+                        "pass tokenizer= or set exact_match_rows to 0")
 
 
 def _check_model_settings(model, config: RunConfig) -> None:
@@ -334,6 +364,10 @@ class Trainer:
         # checks: a refused run leaves a model the caller passed in as it was.
         _check_unadapted(model)
         _check_model_settings(model, config)
+        if config.adapter.finetune != "full":
+            lora.check(model, config.adapter)
+        if self.world.is_main:
+            _check_creatable(self.run_dir)
         model.freeze()  # mlx_lm.load's is not: unfrozen, "LoRA" would train every weight
         # Resuming, the checkpoint's weights replace the starting adapter's (its layout is checked).
         if config.adapter.init_adapter and saved is None:
@@ -432,6 +466,8 @@ class Trainer:
              + f" | {self.total_steps} steps"
              + (f" | {self.world.size} data-parallel ranks" if self.world.size > 1 else ""))
         info(f"memory: {self.memory_settings}")
+        for note in inert_settings(self.config):
+            info(f"warning: {note}")
         if self.config.train.memory_estimate:
             try:
                 self.estimate = self.estimate_memory()
@@ -873,6 +909,11 @@ class Trainer:
         dataset = dataset if dataset is not None else self.valid_set
         if dataset is None:
             raise UserError("evaluate: this run has no validation set; pass a dataset")
+        if not isinstance(dataset, data.Dataset):
+            raise UserError(f"evaluate takes an mlxft.data.Dataset, not {type(dataset).__name__}")
+        if dataset is not self.valid_set and dataset is not self.train_set:  # those were checked once
+            vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", None)
+            _check_given_datasets(None, dataset, vocab_size)  # a loss over no token, or ids past the vocabulary
         t = self.config.train
         was_training = self.model.training
         self.model.eval()

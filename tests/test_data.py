@@ -112,7 +112,11 @@ def test_rows_end_at_line_feeds_only(tmp_path, tokenizer):
     path.write_bytes(b'{"text":\r "one"}\r\n{"text": "two"}\r\n{"text": "a\rb"}\n')
     with pytest.raises(UserError, match="cr.jsonl line 3: invalid JSON"):
         check_file(path)
-    path.write_bytes(path.read_bytes().rsplit(b"\n", 2)[0] + b"\n")
+    path.write_bytes(b'{"text": "a"}\r{"text": "b"}\r')  # classic Mac line ends: one line, said so
+    with pytest.raises(UserError, match=r"cr.jsonl line 1: invalid JSON \(Extra data at column 15\); its lines end in "
+                                        r"a carriage return alone \(classic Mac\); save the file with \\n line ends"):
+        check_file(path)
+    path.write_bytes(b'{"text":\r "one"}\r\n{"text": "two"}\r\n')
     assert [e.ids.size > 1 for e in load_dataset(path, tokenizer, 64).examples] == [True, True]
 
 
@@ -125,17 +129,22 @@ def test_a_message_the_template_leaves_out_is_an_error_not_a_silent_drop(tmp_pat
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]},
             {"messages": [{"role": "developer", "content": "Answer in French."}, *turns(("hi", "oui"))]}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    with pytest.raises(UserError, match=r"d.jsonl line 2: messages\[0\] \(role 'developer'\) is not in the chat "
-                                        "template's rendering"):
+    with pytest.raises(UserError, match=r"d.jsonl line 2: messages\[0\] has role 'developer', which the chat "
+                                        "template leaves out of its rendering"):
         load_dataset(path, tokenizer, 64)
     assert len(load_dataset(write_jsonl(tmp_path / "ok.jsonl", rows[:1]), tokenizer, 64)) == 1
-    # Llama 3.1's template writes a tool's result as a JSON string: escaped, but there.
-    as_json = known.replace("{% if m.role in ['user', 'assistant'] %}", "{% if m.role == 'tool' %}{{ m.content | tojson }}"
+    # Llama 3.1's template writes an ipython result as a JSON string: escaped, but there.
+    as_json = known.replace("{% if m.role in ['user', 'assistant'] %}", "{% if m.role == 'ipython' %}{{ m.content | tojson }}"
                             "{% elif m.role in ['user', 'assistant'] %}")
     monkeypatch.setattr(tokenizer._tokenizer, "chat_template", as_json)
-    tool = [{"messages": [*turns(("weather?", "Let me look.")), {"role": "tool", "content": '{"sky": "clear"}\nü'},
+    tool = [{"messages": [*turns(("weather?", "Let me look.")), {"role": "ipython", "content": '{"sky": "clear"}\nü'},
                           {"role": "assistant", "content": "Clear."}]}]
     assert len(load_dataset(write_jsonl(tmp_path / "tool.jsonl", tool), tokenizer, 64)) == 1
+    # The common roles are the template's to word: a system prompt it leaves out here (Mistral's
+    # writes one only before the last question) is not refused.
+    monkeypatch.setattr(tokenizer._tokenizer, "chat_template", known)
+    system = [{"messages": [{"role": "system", "content": "Be a pirate."}, *turns(("hi", "Arr!"))]}]
+    assert len(load_dataset(write_jsonl(tmp_path / "system.jsonl", system), tokenizer, 64)) == 1
 
 
 def test_end_of_turn_excludes_what_ends_the_conversation(tokenizer, monkeypatch):
@@ -606,3 +615,11 @@ def test_offsets_trimmed_of_spaces_keep_a_prompts_trailing_space_out_of_the_answ
     _, ids, mask = encode_row({"prompt": "Capital of France? Answer: ", "completion": "Paris"}, tok, True, "raw", "row")
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "Paris<|im_end|>"
     assert tok.decode([i for i, m in zip(ids, mask) if not m]) == "Capital of France? Answer: "
+
+
+def test_load_dataset_refuses_a_window_too_short_for_a_target(tmp_path, tokenizer):
+    # max_seq_length 1 was a ValueError from range(); 0 said every row was empty.
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world"}])
+    for length in (0, 1):
+        with pytest.raises(UserError, match=f"max_seq_length must be an integer >= 2, got {length}"):
+            load_dataset(path, tokenizer, length)

@@ -147,8 +147,14 @@ def test_fuse_refuses_bad_output_paths(llama_dir, runs_root, tmp_path, capsys):
     assert fuse_main(["--adapter", str(run), "--model", str(hub / "snapshots" / "abc"), "--out", str(hub / "blobs"),
                       "--overwrite"]) == 2
     err = capsys.readouterr().err
-    assert "is the base model" in err and f"(its files are links into {(hub / 'blobs').resolve()})" in err
+    assert f"holds {(hub / 'blobs').resolve()}/" in err and ", a file of the base model" in err
     assert sorted(p.name for p in (hub / "blobs").iterdir()) == sorted(p.name for p in llama_dir.iterdir())
+    # Beside the linked files, a new directory touches none of them; dangling links and loops count for nothing.
+    (hub / "snapshots" / "abc" / "stale").symlink_to("/nonexistent-file")
+    (hub / "snapshots" / "abc" / "loop1").symlink_to("loop2")
+    (hub / "snapshots" / "abc" / "loop2").symlink_to("loop1")
+    assert fuse_main(["--adapter", str(run), "--model", str(hub / "snapshots" / "abc"),
+                      "--out", str(hub / "blobs" / "fused")]) == 0
     assert fuse_main(["--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--adapter" in err

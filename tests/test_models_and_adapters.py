@@ -85,6 +85,15 @@ def test_a_group_size_that_leaves_layers_unquantized_is_refused(llama_dir):
         models.load(str(llama_dir), "float32", quantize=4, group_size=128)
 
 
+def test_a_few_small_layers_left_unquantized_are_mlx_lm_s_choice():
+    # Mamba's dt_proj (width 96 at group size 64) stays in float in mlx-lm; that was no reason to refuse.
+    model = nn.Sequential(nn.Linear(128, 512), nn.Linear(96, 4))
+    models._check_group_size(model, 64)
+    with pytest.raises(UserError, match="layer width 96, so those layers would stay unquantized; use "
+                                        "--quantize-group-size 32"):
+        models._check_group_size(nn.Sequential(nn.Linear(128, 512), nn.Linear(96, 512)), 64)
+
+
 def test_qlora_on_a_quantized_base(llama_dir):
     model, _, _, _ = models.load(str(llama_dir), "float32", quantize=4, group_size=32)
     assert models.is_quantized(model)
@@ -211,6 +220,16 @@ def test_config_takes_paths_and_numpy_numbers_from_scripts(tmp_path):
         assigned.train.batch_size = value
         with pytest.raises(UserError, match=f"config field train.batch_size: expected an integer, got {value!r}"):
             cfg.validate(assigned)
+    # A misplaced or misspelt field was ignored (the rate stayed 1e-4); a section replaced by a dict a TypeError.
+    for change, message in ((lambda c: setattr(c.train, "learning_rate", 1e-3), "unknown key 'train.learning_rate'"),
+                            (lambda c: setattr(c.optim, "lr", 1e-3), "unknown key 'optim.lr'"),
+                            (lambda c: setattr(c, "trian", c.train), "unknown section 'trian'"),
+                            (lambda c: setattr(c, "train", {"batch_size": 2}), "section 'train' is a dict, not "
+                                                                                "TrainConfig")):
+        bad = RunConfig()
+        change(bad)
+        with pytest.raises(UserError, match=message):
+            cfg.validate(bad)
 
 
 def test_default_targets_of_an_unfamiliar_layout_are_every_linear_even_beside_a_named_one():

@@ -1313,3 +1313,24 @@ def test_damaged_optimizer_window_and_state_files_are_one_line_errors(llama_dir,
         assert "\n" not in str(refused.value)
         (ckpt / file).write_bytes(originals[file])
     Trainer(config(llama_dir, data, out, resume="latest")).train()  # the checkpoint put right resumes
+
+
+def test_a_run_refused_for_its_output_dir_or_rank_leaves_a_model_passed_in_as_it_was(llama_dir, uninterrupted,
+                                                                                     tmp_path):
+    # The model had its LoRA layers already when mkdir failed, so the retry was refused too; a
+    # rank past the widths was refused after the model was frozen.
+    from mlx_lm import load
+    from mlx_lm.tuner.lora import LoRALinear
+
+    model, tokenizer = load(str(llama_dir))
+    trainable = len(tree_flatten(model.trainable_parameters()))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match=f"cannot create --output-dir .*: {tmp_path / 'afile'} is not a directory"):
+        Trainer(config(llama_dir, uninterrupted[0], tmp_path / "afile" / "run", max_steps=1), model, tokenizer)
+    too_wide = config(llama_dir, uninterrupted[0], tmp_path / "run", max_steps=1)
+    too_wide.adapter.rank = 10_000
+    with pytest.raises(UserError, match="rank"):
+        Trainer(too_wide, model, tokenizer)
+    assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())
+    assert len(tree_flatten(model.trainable_parameters())) == trainable
+    Trainer(config(llama_dir, uninterrupted[0], tmp_path / "run", max_steps=1), model, tokenizer).train()

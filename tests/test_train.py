@@ -272,9 +272,6 @@ def resolve_cli(*args, config_path=None):
         # Full fine-tuning trained on as if they were not there.
         (["--finetune", "full", "--dropout", "0.1"], "adapter.dropout: applies to --finetune lora or dora"),
         (["--finetune", "full", "--rank", "16"], "adapter.rank: applies to --finetune lora or dora"),
-        # Both were ignored without a word; the group size was saved in config.yaml as if used.
-        (["--schedule", "constant", "--min-learning-rate", "1e-5"], "optim.min_learning_rate: applies to the linear"),
-        (["--quantize-group-size", "32"], "model.quantize_group_size: applies to runs that quantize the base"),
         # Past about 1e10 seconds the watchdog died in a traceback and no lost peer was noticed.
         (["--dist-timeout", "1e10"], "train.dist_timeout: must be > 0 and at most 1e+06 seconds"),
         # Paths the OS refuses: a traceback, or (not UTF-8) a run that trained, then could not save.
@@ -349,6 +346,17 @@ def test_a_key_given_twice_in_yaml_is_an_error(tmp_path):
     path.write_text("train:\n  batch_size: 2\n  batch_size: 4\n")
     with pytest.raises(UserError, match="line 3: invalid YAML .'batch_size' is given twice"):
         resolve_cli(config_path=path)
+
+def test_settings_a_run_does_not_use_are_warned_of():
+    # They were ignored without a word; refused, they stopped older runs' checkpoints resuming.
+    from mlxft.config import inert_settings
+
+    assert inert_settings(resolve_cli()) == []
+    assert inert_settings(resolve_cli("--schedule", "constant", "--min-learning-rate", "1e-5",
+                                      "--quantize-group-size", "32")) == [
+        "optim.min_learning_rate 1e-05 does nothing under the constant schedule (linear and cosine decay to it)",
+        "model.quantize_group_size 32 does nothing without --quantize"]
+
 
 def test_out_of_range_values_that_are_fine_pass():
     assert resolve_cli("--epochs", "0", "--max-steps", "5").train.max_steps == 5  # epochs is ignored then
@@ -504,6 +512,14 @@ def test_a_model_passed_in_is_frozen_left_as_found_and_never_adapted_twice(llama
     assert not model.training  # as it came
     with pytest.raises(UserError, match="evaluate: this run has no validation set"):
         trainer.evaluate()
+    # A dataset passed to evaluate skipped the checks: a loss of 0 over nothing, ids past the vocabulary.
+    with pytest.raises(UserError, match="evaluate takes an mlxft.data.Dataset, not list"):
+        trainer.evaluate(rows)
+    with pytest.raises(UserError, match="the validation dataset has no row with a supervised token"):
+        trainer.evaluate(Dataset(Path("none"), [], "completion"))
+    with pytest.raises(UserError, match="holds token id 1000000, outside the model's vocabulary"):
+        trainer.evaluate(Dataset(Path("far"), [Example([1, 2, 10**6], [1, 1, 1])], "completion"))
+    assert trainer.evaluate(Dataset(Path("rows"), rows, "completion"))[1] == sum(e.supervised for e in rows)
     cfg.train.output_dir = str(tmp_path / "another")
     with pytest.raises(UserError, match="holds LoRA layers already"):
         Trainer(cfg, model, tokenizer, datasets=(Dataset(Path("rows"), rows, "completion"), None))
@@ -546,10 +562,10 @@ def test_api_mistakes_are_one_line_errors_and_leave_the_model_as_it_was(llama_di
     model, tokenizer = load(str(llama_dir))
     rows = Dataset(Path("rows"), [Example(np.arange(3, 19, dtype=np.int32), np.arange(16) >= 8)] * 4, "completion")
 
-    def cfg(**model_settings):
+    def cfg(exact_match_rows=0, **model_settings):
         return RunConfig.from_dict({"model": model_settings, "data": {"data": str(chat_data)},
                                     "train": {"output_dir": str(tmp_path / "run"), "batch_size": 2, "max_steps": 1,
-                                              "exact_match_rows": 0}})
+                                              "exact_match_rows": exact_match_rows}})
 
     for settings, message in (({"grad_checkpoint": True, "checkpoint_layers": 5}, "checkpoint_layers: 5 exceeds"),
                               ({"recompute_mlp": True, "recompute_mlp_layers": 5}, "recompute_mlp_layers: 5 exceeds")):
@@ -561,9 +577,22 @@ def test_api_mistakes_are_one_line_errors_and_leave_the_model_as_it_was(llama_di
             ((cfg(),), {"tokenizer": tokenizer}, "a tokenizer was passed without its model"),
             ((cfg(), model), {}, "reading the data files needs the model's tokenizer"),
             ((cfg(), model, tokenizer), {"datasets": rows}, "datasets= takes a pair"),
-            ((cfg(), model, tokenizer), {"datasets": (rows,)}, "datasets= takes a pair")):
+            ((cfg(), model, tokenizer), {"datasets": (rows,)}, "datasets= takes a pair"),
+            # These were AttributeErrors, some after the model had changed.
+            ((cfg(), (model, tokenizer)), {"datasets": (rows, None)}, r"mlx_lm.load returns \(model, tokenizer\)"),
+            ((cfg(), str(llama_dir), tokenizer), {}, "model= takes an MLX model .* set config.model.model instead"),
+            ((cfg(), model, model), {}, "tokenizer= takes the model's tokenizer"),
+            ((cfg(exact_match_rows=2), model), {"datasets": (rows, None)}, "exact-match generates answers, which needs")):
         with pytest.raises(UserError, match=message):
             Trainer(*args, **kwargs)
+    with pytest.raises(UserError, match="Dataset: examples must be a list of mlxft.data.Example, got tuple"):
+        Dataset(Path("rows"), [(np.arange(3), np.ones(3, bool))], "completion")
+    with pytest.raises(UserError, match="Example: token id 4294967303 is outside the range of token ids"):
+        Example(np.array([1, 2, 2**32 + 7]), np.ones(3, bool))  # int32 made it 7
+    grown = Dataset(Path("rows"), list(rows.examples[:2]), "completion")
+    grown.examples.extend(rows.examples[2:])  # batches read lengths of 2 rows: rows 0-1 trained over and over
+    with pytest.raises(UserError, match="the train dataset holds 4 examples but was built with 2; build a new"):
+        Trainer(cfg(), model, tokenizer, datasets=(grown, None))
     with pytest.raises(UserError, match="prompt_format 'chatt' is not one of auto, chat, raw"):
         evaluate(model, tokenizer, chat_data / "valid.jsonl", prompt_format="chatt")
     Trainer(cfg(), model, tokenizer, datasets=[rows, None]).train()  # the model as it came still trains
