@@ -72,8 +72,12 @@ class Dataset:
     lengths: np.ndarray = field(init=False)
 
     def __post_init__(self):
-        bad = next((e for e in self.examples if not isinstance(e, Example)), None) if isinstance(self.examples, list) \
-            else self.examples
+        if isinstance(self.examples, tuple):
+            self.examples = list(self.examples)
+        if not isinstance(self.examples, list):
+            raise UserError(f"Dataset: examples must be a list of mlxft.data.Example, not a "
+                            f"{type(self.examples).__name__}")
+        bad = next((e for e in self.examples if not isinstance(e, Example)), None)
         if bad is not None:
             raise UserError(f"Dataset: examples must be a list of mlxft.data.Example, got {type(bad).__name__}; "
                             "build each as Example(ids, mask)")
