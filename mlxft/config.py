@@ -373,7 +373,11 @@ def load_yaml(path: str | Path) -> dict:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)})") from err
+        problem = getattr(err, "problem", err)
+        if problem == "but found another document":  # a '---' line: which of the two would the run mean?
+            raise UserError(f"{path}{line}: a second YAML document starts here; a config is one document, so keep "
+                            "one of them") from err
+        raise UserError(f"{path}{line}: invalid YAML ({problem})") from err
     except (ValueError, RecursionError) as err:  # a number of thousands of digits, nesting thousands deep
         raise UserError(f"{path}: YAML this reader cannot take ({first_line(err) or type(err).__name__}); "
                         "simplify the value") from err

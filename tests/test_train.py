@@ -370,6 +370,8 @@ def test_out_of_range_values_that_are_fine_pass():
     ("0\n", "expected a mapping of sections"),
     ("train:\n  epochs: 1\n  \x07\n", "line 3: invalid YAML (special characters are not allowed: character #x0007)"),
     ("train:\n  epochs: 1\x00\n", "line 2: invalid YAML"),
+    ("train:\n  max_steps: 1\n---\ntrain:\n  max_steps: 2\n", "line 3: a second YAML document starts here; a "
+                                                                "config is one document"),
 ])
 def test_a_yaml_that_is_no_config_is_a_one_line_error(tmp_path, content, message):
     path = tmp_path / "run.yaml"
