@@ -421,11 +421,6 @@ def resolve(args: argparse.Namespace, config_path: str | None) -> RunConfig:
         if "." in dest:
             section, name = dest.split(".", 1)
             overrides.setdefault(section, {})[name] = value
-    for section, name, what in (("adapter", "init_adapter", "an adapter or run directory"),
-                                ("train", "resume", "a checkpoint directory or 'latest'")):
-        value = overrides.get(section, {}).get(name)
-        if isinstance(value, str) and not value.strip():  # `--resume "$CKPT"` with the variable unset
-            raise UserError(f"--{name.replace('_', '-')} is empty; name {what}, or drop the flag")
     apply_overrides(config, overrides, "command line")
     given = set(from_file.get("adapter") or {}) | set(overrides.get("adapter", {}))
     inherited: dict[str, Any] = {}

@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before the distributed world exists, mlx.launch's rank variable tells: only rank 0 prints.
     say = print if os.environ.get("MLX_RANK", "0") in ("", "0") else (lambda *a, **k: None)
     for flag, value in (("--config", args.config), ("--resume", getattr(args, "train.resume", None)),
+                        ("--init-adapter", getattr(args, "adapter.init_adapter", None)),
                         ("--output-dir", getattr(args, "train.output_dir", None))):
         if value is not None and not str(value).strip():  # "$UNSET": not the default job, nor a fresh run
             raise UserError(f"{flag} is empty; name a {'YAML file' if flag == '--config' else 'path'}")
