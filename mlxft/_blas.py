@@ -169,6 +169,12 @@ def preload() -> str | None:
 def hint() -> str:
     """What to do about MLX's reference BLAS: install a faster one, or import mlxft before mlx (worked
     out when a warning needs it, since naming the library mlxft would have loaded can mean a search)."""
+    choice = os.environ.get("MLXFT_BLAS", "").strip()
+    if choice.lower() == "none":
+        return "MLX's Linux CPU wheel is using its slow reference BLAS, as MLXFT_BLAS=none asks; unset it for a faster one"
+    if choice and not mlx_came_first:  # the only candidate a set MLXFT_BLAS leaves
+        return (f"MLXFT_BLAS={choice} could not be loaded as a CBLAS library, so MLX uses its slow reference BLAS; "
+                "point it at one (libopenblas.so.0, libmkl_rt.so) or unset it to let mlxft search")
     if not mlx_came_first or not _candidates():
         return _INSTALL_HINT
     # RTLD_LOCAL: MLX has already bound its BLAS symbols, so this only checks what the search would pick.

@@ -572,6 +572,7 @@ def start_from(model: nn.Module, config, path, seed: int = 0) -> list[str]:
                 raise UserError(f"{spec.path}: the adapter trained whole layers, norms included (mlx-lm's full "
                                 f"fine-tuning); pass --targets {lora.WHOLE_LAYERS}")
             _check_span(model, spec, config)
+        model.freeze()  # lora.apply's starting point (mlx_lm.load leaves every weight trainable)
         targets = lora.apply(model, config, seed)
         try:
             checkpoint.apply_adapter_weights(model, weights, str(spec.path))
@@ -592,6 +593,9 @@ def start_from(model: nn.Module, config, path, seed: int = 0) -> list[str]:
         raise UserError(f"{spec.path}: the adapter's scale is {spec.scale:g} (alpha {spec.alpha:g}) but the run's is "
                         f"{run_scale:g}; pass --alpha {spec.alpha!r}")
     _check_span(model, spec, config)
+    # Training starts from a frozen base, as lora.apply expects: from a model fresh from
+    # mlx_lm.load, whose every weight is trainable, each was taken for a tensor the adapter lacked.
+    model.freeze()
     _apply_or_restore(model, config, seed, weights, str(spec.path), partial=spec.partial)
     return targets
 
@@ -776,7 +780,9 @@ def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int
         model.set_dtype(models.resolve_dtype(quantize_dtype or dtype))
         model, config = quantize_model(model, config, group_size, quantize)
     model.set_dtype(models.resolve_dtype(dtype))
+    models.check_expert_dtype(model)
     model.freeze()
+    models.probe_output_head(model)
     return model, tokenizer, path, config
 
 

@@ -9,6 +9,7 @@ place, so readers see the old file or the new one, never half of either.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -102,7 +103,7 @@ def atomic_write(path: Path, write) -> None:
         _usual_mode(tmp)
         os.replace(tmp, path)
     except OSError as err:
-        raise UserError(f"cannot write {path}: {err.strerror or err}; free disk space or choose another --output-dir") from err
+        raise UserError(f"cannot write {path}: {err.strerror or err}; {write_advice(err)}") from err
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
@@ -223,7 +224,7 @@ def append_metrics(run_dir: Path, record: dict) -> None:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
     except OSError as err:
-        raise UserError(f"cannot write {path}: {err.strerror or err}; free disk space or choose another --output-dir") from err
+        raise UserError(f"cannot write {path}: {err.strerror or err}; {write_advice(err)}") from err
 
 
 def load_adapter_weights(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
@@ -266,6 +267,16 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 WINDOW_FILE = "window.safetensors"
 WINDOW_SUMS = ("mlxft.loss_sum", "mlxft.tokens")  # beside the gradients, by these names
 TRAINER_STATE = "trainer_state.json"
+def write_advice(err: OSError) -> str:
+    """What to do about a failed write, from its cause: a full disk is not a read-only one. MLX's
+    own writers give no cause; a full disk is the likely one there."""
+    if err.errno in (None, errno.ENOSPC, errno.EDQUOT):
+        return "free disk space or choose another --output-dir"
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "make it writable or choose another --output-dir"
+    return "choose another --output-dir"
+
+
 LATEST = "latest"
 _STEP_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -338,13 +349,30 @@ def save_checkpoint(run_dir: Path, name: str, model, metadata: dict, optimizer_s
         _point_latest(run_dir, name)
     except OSError as err:
         kept = " (earlier checkpoints are intact)" if (run_dir / LATEST).exists() else ""
-        raise UserError(f"cannot write checkpoint {final}: {err.strerror or err}; free disk space{kept}") from err
+        raise UserError(f"cannot write checkpoint {final}: {err.strerror or err}; {write_advice(err)}{kept}") from err
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         if held is not None:
             _release_latest(run_dir, held, name)
     return final
+
+
+def check_links(run_dir: Path) -> None:
+    """Refuse, before any training, a directory whose filesystem holds no symbolic links (exFAT,
+    FAT): ``latest`` is one, and the first checkpoint failed there, after the work it was to keep."""
+    probe = run_dir / f".{LATEST}.{os.getpid()}.probe"
+    try:
+        if probe.is_symlink():
+            probe.unlink()
+        os.symlink(".", probe)
+    except OSError as err:
+        raise UserError(f"--output-dir {run_dir} cannot hold the symbolic link '{LATEST}' that names a run's newest "
+                        f"checkpoint ({err.strerror or err}; exFAT and FAT drives cannot); choose an --output-dir "
+                        "on another filesystem") from err
+    finally:
+        if probe.is_symlink():
+            probe.unlink()
 
 
 def _point_latest(run_dir: Path, name: str) -> None:

@@ -128,7 +128,7 @@ class DataConfig:
     data: str = _opt("", "Directory holding train.jsonl (and valid.jsonl), a train .jsonl file, or builtin:capitals.")
     train_file: str = _opt("", "Explicit training JSONL path (overrides --data).")
     valid_file: str = _opt("", "Explicit validation JSONL path (default: valid.jsonl beside train).")
-    max_seq_length: int = _opt(2048, "Truncate sequences to this many tokens.")
+    max_seq_length: int = _opt(2048, "Longest row in tokens: longer text rows are split into windows of it, other rows truncated.")
     length_bucket: int = _opt(64, "Pad batches to a multiple of this length to bound compiled shapes.")
     pack: bool = _opt(
         False,
@@ -179,7 +179,7 @@ class TrainConfig:
     batch_size: int = _opt(4, "Rows per micro-batch, over all data-parallel ranks together.")
     grad_accum_steps: int = _opt(1, "Micro-batches per optimizer step (token-weighted).")
     seed: int = _opt(0, "Seed for data order, adapter init and dropout.")
-    eval_every: int = _opt(0, "Validate every N optimizer steps (and always at the end); 0 = end only.")
+    eval_every: int = _opt(0, "Validate every N optimizer steps (and always before the first step and at the end); 0 = those two only.")
     max_eval_batches: int = _opt(0, "Cap validation at this many batches: the file's first N x batch-size rows; 0 = the whole set.")
     exact_match_rows: int = _opt(
         0, "Before and after training, answer this many validation rows greedily and report exact-match; 0 = off."
@@ -577,9 +577,9 @@ def validate(config: RunConfig, model_given: bool = False, data_given: bool = Fa
          "fits the run by the memory estimate; drop --no-memory-estimate")
     need(d.length_bucket >= 1, "data.length_bucket", f"must be >= 1, got {d.length_bucket}")
     # A micro-batch's padded token count indexes MLX arrays: past 2**31 the first step crashes.
-    padded = t.batch_size * max(d.length_bucket, math.ceil(d.max_seq_length / d.length_bucket) * d.length_bucket)
-    need(padded <= MAX_COUNT, "train.batch_size",
-         f"{t.batch_size:,} rows padded to {padded // t.batch_size:,} tokens (max_seq_length rounded up to "
+    row = max(d.length_bucket, math.ceil(d.max_seq_length / d.length_bucket) * d.length_bucket)
+    need(t.batch_size * row <= MAX_COUNT, "train.batch_size",
+         f"{t.batch_size:,} rows padded to {row:,} tokens (max_seq_length rounded up to "
          f"length_bucket) exceed 2**31 tokens a micro-batch; lower batch_size, max_seq_length or length_bucket")
     need(o.learning_rate > 0 and math.isfinite(o.learning_rate), "optim.learning_rate", "must be > 0")
     need(0 <= o.min_learning_rate <= o.learning_rate, "optim.min_learning_rate", "must be in [0, learning_rate]")

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 
 from mlxft import packing
 from mlxft.fastmath import input_gradient
-from mlxft.models import hidden_states, output_head
+from mlxft.models import hidden_states, logits_transformed, output_head
 
 
 def perplexity(loss: float) -> float:
@@ -146,10 +146,13 @@ def _hidden(model: nn.Module, inputs, positions, doc_positions, segments) -> mx.
 
 def _head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The output head's module (``lm_head`` or the tied embedding) and the function projecting
-    hidden states to logits through it (a plain-head architecture's)."""
+    hidden states to logits through it (a plain-head architecture's, with its family's transform
+    of the logits where it has one)."""
     if "lm_head" in model:
-        return model.lm_head, model.lm_head
-    return model.model.embed_tokens, model.model.embed_tokens.as_linear
+        module, plain = model.lm_head, model.lm_head
+    else:
+        module, plain = model.model.embed_tokens, model.model.embed_tokens.as_linear
+    return module, output_head(model) or plain
 
 
 def chunked_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothing: float, chunk: int):
@@ -160,8 +163,14 @@ def chunked_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoo
     def chunk_loss(start):
         # Targets and weights are closed over: only the head and the hidden states are differentiated.
         def loss(params, h):
+            # The head holds the chunk's parameters only while it projects: left there, a
+            # trace's placeholders (the compiled memory probe's) outlived the trace.
+            kept = module.trainable_parameters()
             module.update(params)
-            ce = token_cross_entropy(project(h), targets[start:start + chunk], label_smoothing)
+            try:
+                ce = token_cross_entropy(project(h), targets[start:start + chunk], label_smoothing)
+            finally:
+                module.update(kept)
             return (ce * weights[start:start + chunk]).sum()
 
         return mx.checkpoint(loss)
@@ -184,7 +193,7 @@ def _head_chunk_logits() -> int:
 def frozen_head(model: nn.Module) -> nn.Module | None:
     """The output head module (``lm_head`` or the tied embedding) when the architecture's split is
     plain and nothing in the head trains: what :func:`head_cross_entropy` needs."""
-    if output_head(model) is None:
+    if output_head(model) is None or logits_transformed(model):
         return None
     head = _head(model)[0]
     plain = type(head) in (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)

@@ -253,7 +253,18 @@ def _paced_probe(fn, *args) -> int:
 
 def _layer_call(layer, layout):
     mask = (layout.mask if layout is not None else "causal") if is_attention_layer(layer) else None
-    return lambda h: layer(h, mask, cache=layout)
+
+    def call(h):
+        if isinstance(mask, str):
+            try:
+                return layer(h, mask, cache=layout)
+            except AttributeError:  # attention that takes only an array mask (Gemma 2's soft-capped scores)
+                from mlx_lm.models.base import create_causal_mask
+
+                return layer(h, create_causal_mask(h.shape[1]), cache=layout)
+        return layer(h, mask, cache=layout)
+
+    return call
 
 
 def _layer_peak(layer: nn.Module, layout, x: mx.array) -> int:

@@ -170,12 +170,26 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
         model.set_dtype(resolve_dtype(quantize_dtype or dtype))
         model, config = quantize_model(model, config, group_size, quantize)
     model.set_dtype(resolve_dtype(dtype))
+    check_expert_dtype(model)
     # Cast (and quantized) now: left lazy, the checkpoint's own tensors stay allocated beside
     # the cast ones until the first step, whose peak they join, and every memory probe before it
     # converts its weights again (SmolLM2-135M on the CPU: 0.11 GB too much in the estimate).
     mx.eval(model.parameters())
     model.freeze()
+    probe_output_head(model)
     return model, tokenizer, path, config
+
+
+def check_expert_dtype(model: nn.Module) -> None:
+    """MLX's CPU backend multiplies a mixture of experts' gathered weights in float32 only: in a
+    half-precision model the first step failed in a traceback."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if mx.default_device() != mx.cpu or compute_dtype(model) == mx.float32:
+        return
+    if any(isinstance(m, SwitchLinear) for _, m in model.named_modules()):
+        raise UserError(f"this model's mixture-of-experts layers compute in float32 only on MLX's CPU backend, not "
+                        f"{str(compute_dtype(model)).split('.')[-1]}; use --dtype float32 (or auto) on the CPU")
 
 
 def _check_group_size(model: nn.Module, group_size: int) -> None:
@@ -196,18 +210,87 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
-def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
-    """The function mapping hidden states to logits, when the architecture's split is plain.
+HEAD_PROBE = "_mlxft_head_split"  # what probe_output_head found (see there)
 
-    Called inside the traced loss so it reads the current (possibly trained) weights.
-    Returns None for architectures whose logits need more than ``head(body(x))``.
-    """
-    if getattr(model, "model_type", None) not in _PLAIN_HEAD_TYPES or not hasattr(model, "model"):
-        return None
+
+def _logit_transforms(model: nn.Module) -> list[Callable[[mx.array], mx.array] | None]:
+    """What families apply to the head's output (None: nothing), in mlx-lm's own arithmetic."""
+    transforms = [None]
+    scaling = getattr(model, "logits_scaling", None)  # Granite
+    if isinstance(scaling, (int, float)):
+        transforms.append(lambda z: z / scaling)
+    cap = getattr(model, "final_logit_softcapping", None)  # Gemma 2
+    if isinstance(cap, (int, float)) and cap:
+        transforms.append(lambda z: mx.tanh(z / cap) * cap)
+    scale = getattr(getattr(model.model, "args", None), "logit_scale", None)  # Cohere
+    if isinstance(scale, (int, float)):
+        transforms.append(lambda z: z * scale)
+    return transforms
+
+
+def _head_module(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     if "lm_head" in model:
         return model.lm_head
     embed = getattr(model.model, "embed_tokens", None)
     return embed.as_linear if embed is not None else None
+
+
+def probe_output_head(model: nn.Module) -> None:
+    """Find out, for a family outside the known plain ones, whether its logits are
+    ``transform(head(model.model(x)))`` with an elementwise ``transform`` (or none), so the loss
+    can project only supervised positions. Recorded on the model as ``(transform,)``, or as
+    ``()`` where no split matched; :func:`output_head` reads it.
+
+    Checked on a few tokens, to the bit: a body or head this split misreads, or a transform it
+    does not know, leaves the model on its own whole logits, which are always right."""
+    if getattr(model, "model_type", None) in _PLAIN_HEAD_TYPES or not hasattr(model, "model"):
+        return
+    found = ()
+    was_training = model.training
+    model.eval()  # no dropout: both passes must compute the same function
+    try:
+        head = _head_module(model)
+        if head is not None:
+            tokens = mx.array([[1, 2, 3, 4]])
+            whole, split = model(tokens), head(model.model(tokens))
+            found = next(((t,) for t in _logit_transforms(model)
+                          if mx.array_equal(split if t is None else t(split), whole).item()), ())
+    except Exception:  # noqa: BLE001 - a body that takes other arguments: the model's own logits then
+        found = ()
+    finally:
+        model.train(was_training)
+    object.__setattr__(model, HEAD_PROBE, found)
+
+
+def _head_split(model: nn.Module) -> tuple | None:
+    """``(transform,)`` for a plain split (``transform`` None where there is none), else None."""
+    if not hasattr(model, "model"):
+        return None
+    if getattr(model, "model_type", None) in _PLAIN_HEAD_TYPES:
+        return (None,)
+    return getattr(model, HEAD_PROBE, None) or None
+
+
+def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """The function mapping hidden states to logits, when the architecture's split is plain.
+
+    Called inside the traced loss so it reads the current (possibly trained) weights.
+    Returns None for architectures whose logits need more than ``head(body(x))`` and an
+    elementwise transform :func:`probe_output_head` found.
+    """
+    split = _head_split(model)
+    head = _head_module(model) if split else None
+    if head is None or split[0] is None:
+        return head
+    transform = split[0]
+    return lambda hidden: transform(head(hidden))
+
+
+def logits_transformed(model: nn.Module) -> bool:
+    """Whether :func:`output_head` applies a transform after the head module (Granite's scaling,
+    Gemma 2's soft-capping), which the frozen-head loss's linear shortcut cannot take."""
+    split = _head_split(model)
+    return bool(split) and split[0] is not None
 
 
 def hidden_states(model: nn.Module, inputs: mx.array) -> mx.array:

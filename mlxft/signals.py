@@ -13,6 +13,14 @@ class Interrupted(Exception):
     """A stop request cut short a block run under :meth:`StopRequests.interrupting`."""
 
 
+def _say(line: str) -> None:
+    """One line to stderr from a signal handler (a closed terminal is no reason to fail)."""
+    try:
+        os.write(2, f"\n{line}\n".encode())
+    except OSError:
+        pass
+
+
 class StopRequests:
     """Installs handlers for the lifetime of a ``with`` block (main thread only)."""
 
@@ -35,9 +43,14 @@ class StopRequests:
         self.signum, self._reason = signum, reason
 
     def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
         if self.signum is not None and not self._reason:
+            _say(f"{name} again: exiting at once; what was trained since the last checkpoint is not saved")
             os._exit(128 + signum)  # a second signal: the user wants out now
         self.signum, self._reason = signum, ""  # a signal after a request from code is the first
+        # A save can take seconds: said at once, so a wait is not taken for a hang and answered
+        # with the second signal, which loses the work.
+        _say(f"{name}: stopping; a run saves what it has trained first ({name} again exits at once, unsaved)")
         if self._interrupt:
             self._interrupt = False
             raise Interrupted(self.name)

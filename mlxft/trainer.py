@@ -314,6 +314,8 @@ class Trainer:
             raise UserError(f"config field model.quantize is {config.model.quantize}, but the model passed in is not "
                             "quantized; quantize it first (mlx_lm.utils.quantize_model) or set model.quantize to 0")
         config.adapter.init_adapter = models.absolute_name(config.adapter.init_adapter)
+        if getattr(model, models.HEAD_PROBE, None) is None:  # a model passed in, not probed at load
+            models.probe_output_head(model)
         self.model, self.tokenizer = model, tokenizer
 
         load = partial(data.load_dataset, tokenizer=tokenizer, max_seq_length=config.data.max_seq_length,
@@ -466,13 +468,18 @@ class Trainer:
              + f" | {self.total_steps} steps"
              + (f" | {self.world.size} data-parallel ranks" if self.world.size > 1 else ""))
         info(f"memory: {self.memory_settings}")
-        for note in inert_settings(self.config):
+        notes = inert_settings(self.config)
+        if self.config.model.loss_chunk and models.output_head(self.model) is None:
+            notes.append(f"model.loss_chunk {self.config.model.loss_chunk} does nothing for this model: "
+                         f"{models.family(self.model)} computes its logits at every position itself")
+        for note in notes:
             info(f"warning: {note}")
         if self.config.train.memory_estimate:
             try:
                 self.estimate = self.estimate_memory()
             except (AttributeError, TypeError, ValueError) as err:  # an architecture the probes do not fit
-                info(f"no memory estimate for this model ({type(err).__name__}: {first_line(err)})")
+                info(f"no memory estimate for this model ({type(err).__name__}: {first_line(err)})"
+                     + ("; --fit-memory, which fits the run by it, does nothing" if self.config.model.fit_memory else ""))
                 return
             limit = mx.get_memory_limit()
             info(f"estimated peak memory: {self.estimate.describe()}")
@@ -528,8 +535,10 @@ class Trainer:
         weights = mx.ones(targets.shape)
 
         def loss_of_hidden(hidden):
-            if models.output_head(self.model) is None:  # whole logits: count the loss's vocabulary-sized tensors
-                logits = mx.zeros((hidden.shape[0], self.model.args.vocab_size), mx.float32) + hidden.sum()
+            if models.output_head(self.model) is None:
+                # The model's own logits: every position's, in its dtype, then the supervised rows read off them.
+                whole = mx.zeros((per_rank * length, self.model.args.vocab_size), models.compute_dtype(self.model))
+                logits = (whole + hidden.sum().astype(whole.dtype))[:hidden.shape[0]]
                 return cross_entropy(logits, targets, weights, c.optim.label_smoothing)[0]
             return hidden_loss(self.model, hidden, targets, weights, c.optim.label_smoothing, c.model.loss_chunk,
                                training=True)[0]
@@ -572,11 +581,16 @@ class Trainer:
         self._hold_run_dir()
         self.model.train()  # mlx_lm.load leaves a model in evaluation mode, with its dropouts off
         try:
+            if self.world.is_main:
+                checkpoint.check_links(self.run_dir)
             with self._run_limits():
                 return self._train_reporting_failures()
         finally:
             self.model.train(was_training)
             self.release()
+            # The request that stopped this call is spent: another train() trains on, and its
+            # first signal asks for a save again instead of exiting at once.
+            self.stop = StopRequests()
 
     def _hold_run_dir(self, create: bool = True) -> None:
         """Rank 0 locks the output directory against other processes (see :mod:`mlxft.runlock`)."""
@@ -591,8 +605,7 @@ class Trainer:
         try:
             yield
         except OSError as err:
-            raise UserError(f"cannot update {self.run_dir}: {err.strerror or err}; make it writable or free "
-                            "disk space") from err
+            raise UserError(f"cannot update {self.run_dir}: {err.strerror or err}; {checkpoint.write_advice(err)}") from err
 
     def release(self) -> None:
         """Let other processes train into the output directory; :meth:`train` takes it again."""
@@ -973,7 +986,7 @@ class Trainer:
             "train_modules": {"finetune": c.adapter.finetune, "targets": self.targets},
             "task": self.train_set.kind,
             "model": c.model.model,
-            "dataset": str(self.train_file),
+            "dataset": models.absolute_name(str(self.train_file)),  # as config.yaml records it
             "train_data": self.train_set.fingerprint,
             "seed": c.train.seed,
             "skipped_steps": self.skipped_steps,

@@ -83,6 +83,11 @@ def test_importing_mlx_before_mlxft_is_named_as_the_cause_not_a_missing_blas(tmp
     assert "install OpenBLAS" not in late["hint"]
     missing = run("import mlx.core\nimport mlxft", choice=str(tmp_path / "no-such-blas.so"))
     assert "install OpenBLAS" in missing["hint"] and "import mlxft before mlx" in missing["hint"]
+    # A user's own MLXFT_BLAS had been answered with "install OpenBLAS", whatever was installed.
+    kept = run("import mlxft", choice="none")
+    assert kept["reference"] and "as MLXFT_BLAS=none asks" in kept["hint"]
+    failed = run("import mlxft", choice=str(tmp_path / "no-such-blas.so"))
+    assert failed["reference"] and "no-such-blas.so could not be loaded" in failed["hint"]
 
 
 HEAP_PROBE = """

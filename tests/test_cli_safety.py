@@ -148,7 +148,7 @@ def test_an_output_dir_that_cannot_be_updated_at_resume_is_a_one_line_error(llam
     assert train_main(_common(llama_dir, chat_data)[:-3] + ["--max-steps", "2", "--no-memory-estimate", "--output-dir",
                                                            str(run), "--resume", str(run / "checkpoint-1")]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: cannot update {run}: Read-only file system; make it writable or free disk space\n"
+    assert err == f"error: cannot update {run}: Read-only file system; make it writable or choose another --output-dir\n"
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 

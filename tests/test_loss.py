@@ -328,3 +328,64 @@ def test_head_gradient_in_the_forward_pass_keeps_no_logits(llama_dir):
     plain, fused = peak(False), peak(True)
     assert plain > 0.95 * logits
     assert fused < 0.5 * plain, (fused / logits, plain / logits)  # measured 0.38 against 1.0
+
+
+OTHER_FAMILIES = {  # plain heads outside models' known list, one with a logit scale, one soft-capped
+    "starcoder2": {"model_type": "starcoder2", "norm_epsilon": 1e-5, "tie_word_embeddings": True},
+    "granite": {"model_type": "granite", "logits_scaling": 4.0, "embedding_multiplier": 12.0,
+                "attention_multiplier": 0.25, "residual_multiplier": 0.22, "attention_bias": False,
+                "mlp_bias": False, "tie_word_embeddings": False},
+    "gemma2": {"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 2.0, "sliding_window": 64},
+}
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_other_families_project_only_supervised_positions_with_their_own_loss(family, tmp_path):
+    from conftest import LLAMA_CONFIG, write_model
+
+    config = {k: v for k, v in LLAMA_CONFIG.items() if k != "model_type"} | OTHER_FAMILIES[family]
+    model = models.load(str(write_model(tmp_path / family, config)), "float32")[0]
+    assert models.output_head(model) is not None  # found by the load's probe
+    model.unfreeze()  # the head trains too: its gradient must pass any transform the family applies
+    rng = np.random.default_rng(0)
+    inputs = mx.array(rng.integers(3, 1000, size=(2, 12)))
+    positions = mx.array([3, 4, 5, 6, 15, 16, 17, 20, 21, 22])
+    targets = mx.array(rng.integers(3, 1000, size=10))
+    weights = mx.array([1.0] * 9 + [0.0])
+
+    def whole(model):
+        logits = model(inputs)
+        return cross_entropy(logits.reshape(-1, logits.shape[-1])[positions], targets, weights)[0]
+
+    expected, expected_grads = nn.value_and_grad(model, whole)(model)
+    for chunk in (0, 4):
+        def ours(model):
+            return loss_fn(model, inputs, positions, targets, weights, chunk=chunk, training=True)[0]
+
+        loss, grads = nn.value_and_grad(model, ours)(model)
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+        for (name, g), (_, e) in zip(tree_flatten(grads), tree_flatten(expected_grads)):
+            assert mx.allclose(g, e, atol=1e-6, rtol=1e-4).item(), (family, chunk, name)
+
+
+def test_a_family_whose_transform_is_unknown_keeps_its_own_logits(tmp_path, monkeypatch):
+    from conftest import LLAMA_CONFIG, write_model
+
+    monkeypatch.setattr(models, "_logit_transforms", lambda model: [None])  # Granite's scaling unknown
+    config = {k: v for k, v in LLAMA_CONFIG.items() if k != "model_type"} | OTHER_FAMILIES["granite"]
+    model = models.load(str(write_model(tmp_path / "granite", config)), "float32")[0]
+    assert models.output_head(model) is None
+
+
+def test_a_mixture_of_experts_in_half_precision_on_the_cpu_is_one_line(tmp_path):
+    from conftest import LLAMA_CONFIG, write_model
+
+    config = {k: v for k, v in LLAMA_CONFIG.items() if k != "model_type"} | {
+        "model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+    path = str(write_model(tmp_path / "moe", config))
+    assert models.output_head(models.load(path, "float32")[0]) is not None
+    if mx.default_device() == mx.cpu:  # MLX's CPU GatherMM is float32 only: it had failed in a traceback
+        with pytest.raises(UserError, match="mixture-of-experts layers compute in float32 only"):
+            models.load(path, "bfloat16")

@@ -754,3 +754,39 @@ def test_a_run_keeps_the_cache_under_its_estimated_peak_and_gives_the_limit_back
         assert "allocator cache kept under" not in capsys.readouterr().out
     finally:
         mx.set_cache_limit(before)
+
+
+def test_a_trained_heads_chunked_loss_leaves_the_head_as_it_found_it(llama_dir, tmp_path):
+    # The memory estimate traces the chunked loss in a compiled probe: a head updated with the
+    # probe's traced parameters had no value left to evaluate in the run's first validation.
+    run = trainer(llama_dir, tmp_path, batch_size=4, longest=64, finetune="full", loss_chunk=16, max_steps=1)
+    head = run.model.lm_head if "lm_head" in run.model else run.model.model.embed_tokens
+    mx.eval(head.parameters())
+    run.train()
+    assert len(train_records(run)) == 1
+
+
+def test_a_model_on_its_own_logits_is_priced_for_every_position_and_told_its_loss_chunk_is_idle(
+        tmp_path, monkeypatch, capsys):
+    config = {k: v for k, v in LLAMA_CONFIG.items() if k != "model_type"} | {
+        "model_type": "granite", "logits_scaling": 4.0, "embedding_multiplier": 12.0, "attention_multiplier": 0.25,
+        "residual_multiplier": 0.22, "attention_bias": False, "mlp_bias": False}
+    granite = write_model(tmp_path / "granite", config)
+    split = trainer(granite, tmp_path / "split", batch_size=4, longest=64, pace_memory=False)
+    assert "does nothing for this model" not in capsys.readouterr().out
+    monkeypatch.setattr(models, "_logit_transforms", lambda model: [None])  # its scaling unknown: whole logits
+    whole = trainer(granite, tmp_path / "whole", batch_size=4, longest=64, pace_memory=False, loss_chunk=16)
+    assert models.output_head(whole.model) is None and models.output_head(split.model) is not None
+    assert "model.loss_chunk 16 does nothing for this model: granite computes its logits" in capsys.readouterr().out
+    # Every position's logits in the model's dtype, then the supervised rows read off them:
+    # about a third more rows than the supervised ones alone, and their copy besides.
+    assert whole.estimate.loss > 1.5 * split.estimate.loss, (whole.estimate, split.estimate)
+
+
+def test_attention_that_takes_only_an_array_mask_is_estimated(tmp_path, capsys):
+    config = {k: v for k, v in LLAMA_CONFIG.items() if k != "model_type"} | {
+        "model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0, "sliding_window": 64}
+    run = trainer(write_model(tmp_path / "gemma2", config), tmp_path, batch_size=4, longest=64, pace_memory=False)
+    assert "no memory estimate" not in capsys.readouterr().out  # Gemma 2 had none ('str' object has no attribute)
+    assert run.estimate is not None and run.estimate.activations > 0

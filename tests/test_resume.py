@@ -952,6 +952,10 @@ def test_a_second_signal_exits_at_once():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 128 + signal.SIGINT
     assert "first signal recorded" in proc.stdout and "still running" not in proc.stdout
+    # Each is answered at once on stderr: a save can take seconds, and a silent wait was taken
+    # for a hang and answered with the second signal, which loses the unsaved work.
+    assert "SIGINT: stopping; a run saves what it has trained first (SIGINT again exits at once, unsaved)" in proc.stderr
+    assert "SIGINT again: exiting at once; what was trained since the last checkpoint is not saved" in proc.stderr
 
 
 def test_what_killed_saves_left_is_removed_and_nothing_else(tmp_path):
@@ -1334,3 +1338,39 @@ def test_a_run_refused_for_its_output_dir_or_rank_leaves_a_model_passed_in_as_it
     assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())
     assert len(tree_flatten(model.trainable_parameters())) == trainable
     Trainer(config(llama_dir, uninterrupted[0], tmp_path / "run", max_steps=1), model, tokenizer).train()
+
+
+def test_train_called_again_after_a_stop_trains_on_to_the_uninterrupted_result(llama_dir, uninterrupted, tmp_path):
+    # The stop request that ended the first call had stayed: every later call stopped at once,
+    # and its first signal, taken for a second, exited the process unsaved.
+    data, expected, expected_steps = uninterrupted
+    trainer = Trainer(config(llama_dir, data, tmp_path / "run"))
+    stop_after(trainer, 4)
+    with pytest.raises(TrainingStopped):
+        trainer.train()
+    assert not trainer.stop.requested
+    trainer._micro_step = type(trainer)._micro_step.__get__(trainer)  # no more stops
+    trainer.train()
+    assert trainer.optimizer.state["step"].item() == expected_steps
+    got = weights(trainer.model)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_an_output_dir_that_cannot_hold_the_latest_link_is_refused_before_training(llama_dir, uninterrupted, tmp_path,
+                                                                                  monkeypatch):
+    # On exFAT every checkpoint failed, the first one after all the training it was to keep.
+    def no_links(*args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    trainer = Trainer(config(llama_dir, uninterrupted[0], tmp_path / "run"))
+    monkeypatch.setattr(os, "symlink", no_links)
+    with pytest.raises(UserError, match="cannot hold the symbolic link 'latest'.*exFAT and FAT drives cannot"):
+        trainer.train()
+    assert trainer.step_count == 0 and not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize("number, advice", [(errno.ENOSPC, "free disk space"), (errno.EROFS, "make it writable"),
+                                            (errno.ENOSYS, "choose another --output-dir")])
+def test_a_failed_write_is_answered_by_its_cause(number, advice):
+    assert checkpoint.write_advice(OSError(number, os.strerror(number))).startswith(advice)

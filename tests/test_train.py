@@ -265,6 +265,7 @@ def resolve_cli(*args, config_path=None):
         (["--seed", str(2**64)], "train.seed: must be 0 to 2**64-1"),
         (["--max-steps", "99999999999999999999"], "train.max_steps: must be at most 2,147,483,647"),
         (["--batch-size", "99999999999999999999"], "train.batch_size: must be at most"),
+        (["--batch-size", "0"], "train.batch_size: must be >= 1, got 0"),  # had divided by zero in a message
         (["--loss-chunk", "3000000000"], "model.loss_chunk: must be at most"),
         (["--epochs", "0"], "train.epochs: must be >= 1 unless --max-steps is set"),
         # It failed only after the base had been loaded and quantized.
@@ -632,3 +633,14 @@ def test_a_step_without_supervised_tokens_is_skipped_and_said(llama_dir, tmp_pat
     assert result.train_loss == next(loss for loss in losses if loss is not None) > 0 and "loss n/a" in out
     state = json.loads((tmp_path / "run" / "training_state.json").read_text())
     assert state["skipped_steps"] == 1
+
+
+def test_a_relative_data_path_is_recorded_absolute_in_the_training_state(llama_dir, chat_data, tmp_path, monkeypatch):
+    from mlxft.train import main
+
+    monkeypatch.chdir(chat_data.parent)
+    out = tmp_path / "run"
+    assert main(["--model", str(llama_dir), "--data", chat_data.name, "--output-dir", str(out), "--max-steps", "1",
+                 "--no-memory-estimate", "--exact-match-rows", "0"]) == 0
+    state = json.loads((out / "training_state.json").read_text())
+    assert state["dataset"] == str(chat_data / "train.jsonl")  # it had been "data/train.jsonl", as typed
