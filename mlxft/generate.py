@@ -77,6 +77,16 @@ def stream(model, tokenizer, prompt_ids: list[int], max_tokens: int = 256, temp:
                                sampler=make_sampler(temp=temp, top_p=top_p))
 
 
+def _context_length(model) -> int | None:
+    """max_position_embeddings, from the model's own settings or, for a wrapper (Gemma 3), its text model's."""
+    args = getattr(model, "args", None)
+    context = getattr(args, "max_position_embeddings", None)
+    text = getattr(args, "text_config", None)
+    if context is None and isinstance(text, dict):
+        return text.get("max_position_embeddings")
+    return context if context is not None else getattr(text, "max_position_embeddings", None)
+
+
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     given = args.prompt_format or {"chat": "chat", "text": "raw"}.get(run_task(loaded.spec))
     prompt_format = run_setting(loaded.spec, "prompt_format", given, DataConfig.prompt_format)
     ids = prompt_ids(loaded.tokenizer, messages_for(prompt, system), prompt_format)
-    context = getattr(getattr(loaded.model, "args", None), "max_position_embeddings", None)
+    context = _context_length(loaded.model)
     if isinstance(context, int) and len(ids) + args.max_tokens > context:  # rope scaling may stretch it: not refused
         print(f"warning: the prompt's {len(ids)} tokens and --max-tokens {args.max_tokens} pass the model's "
               f"context of {context} tokens (max_position_embeddings); the answer may be garbled past it",

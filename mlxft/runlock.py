@@ -7,7 +7,8 @@ ends; a second process asking for it is refused with the holder's pid. The lock 
 the open file, so a killed run releases it without leaving anything to clean up.
 
 Within one process (a research script or notebook building a Trainer after another on the
-same directory) the lock is shared: the process already owns the directory.
+same directory) the lock is shared: the process already owns the directory. A Trainer there
+refuses, when it starts training, a directory where another has saved a run since it was built.
 """
 
 from __future__ import annotations

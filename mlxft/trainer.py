@@ -583,6 +583,7 @@ class Trainer:
         try:
             if self.world.is_main:
                 checkpoint.check_links(self.run_dir)
+                self._check_run_dir_still_ours()
             with self._run_limits():
                 return self._train_reporting_failures()
         finally:
@@ -591,6 +592,17 @@ class Trainer:
             # The request that stopped this call is spent: another train() trains on, and its
             # first signal asks for a save again instead of exiting at once.
             self.stop = StopRequests()
+
+    def _check_run_dir_still_ours(self) -> None:
+        """Refuse to train into a directory where another Trainer of this process (which shares
+        the lock) has saved a run since this one was built: the two had interleaved their
+        metrics and the second replaced the first's checkpoints."""
+        latest = self.run_dir / checkpoint.LATEST
+        other = checkpoint.run_id_of(latest.resolve()) if latest.is_symlink() else None
+        if other is not None and other != self.run_id:
+            raise UserError(f"output directory {self.run_dir} now holds another run, saved there after this Trainer "
+                            "was built; build it again (with overwrite to replace that run) or choose another "
+                            "output_dir")
 
     def _hold_run_dir(self, create: bool = True) -> None:
         """Rank 0 locks the output directory against other processes (see :mod:`mlxft.runlock`)."""
@@ -680,7 +692,13 @@ class Trainer:
         result = TrainResult(self.run_dir, self.step_count, self.reporter.last_train_loss, self.last_val_loss,
                              self.skipped_steps, main_process=self.world.is_main)
         if t.exact_match_rows:
-            after = self._exact_match("after training")
+            try:  # the run is saved: a stop request here only gives up the score, with a message and its code
+                with self.stop, self.stop.interrupting():
+                    after = self._exact_match("after training")
+            except Interrupted:
+                raise TrainingStopped(f"stopped by {self.stop.name} during the exact-match after training, whose "
+                                      f"score is not recorded; the trained run is complete in {path}",
+                                      128 + self.stop.signum, path) from None
             result.exact_match_after = after[0]
             if before is not None:
                 self._show_answers(before, after)

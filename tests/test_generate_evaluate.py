@@ -452,3 +452,16 @@ def test_a_tiny_temperature_is_greedy_and_a_prompt_past_the_context_is_warned_of
     assert generate_main(["--model", str(llama_dir), "--prompt", "hello " * 1100, "--max-tokens", "1"]) == 0
     err = capsys.readouterr().err
     assert "warning: the prompt's " in err and "pass the model's context of 1024 tokens" in err
+
+
+def test_a_wrapped_models_context_is_read_from_its_text_model(tmp_path, capsys):
+    # Gemma 3 keeps max_position_embeddings under text_config: a prompt past it had no warning.
+    from conftest import LLAMA_CONFIG, write_model
+
+    text = {k: v for k, v in LLAMA_CONFIG.items() if k != "model_type"} | {
+        "model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64,
+        "sliding_window_pattern": 2}
+    model = write_model(tmp_path / "gemma3", {"model_type": "gemma3", "text_config": text,
+                                              "vocab_size": text["vocab_size"], "vision_config": {}})
+    assert generate_main(["--model", str(model), "--prompt", "hello " * 1100, "--max-tokens", "1"]) == 0
+    assert "pass the model's context of 1024 tokens" in capsys.readouterr().err

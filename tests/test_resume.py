@@ -1374,3 +1374,40 @@ def test_an_output_dir_that_cannot_hold_the_latest_link_is_refused_before_traini
                                             (errno.ENOSYS, "choose another --output-dir")])
 def test_a_failed_write_is_answered_by_its_cause(number, advice):
     assert checkpoint.write_advice(OSError(number, os.strerror(number))).startswith(advice)
+
+
+def test_a_signal_during_the_exact_match_after_training_says_the_run_is_saved(llama_dir, uninterrupted, tmp_path,
+                                                                              monkeypatch):
+    # Outside the stop handlers, SIGTERM had killed the process silently (and SIGINT raised
+    # KeyboardInterrupt) after the run was saved, with no word of what was kept or lost.
+    from mlxft import generation
+
+    real, calls = generation.exact_match, []
+
+    def signalled_after_training(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the first is the baseline before training
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "exact_match", signalled_after_training)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped, match="during the exact-match after training, whose score is not recorded; "
+                                              "the trained run is complete in") as stopped:
+        Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2, exact_match_rows=1)).train()
+    assert stopped.value.exit_code == 128 + signal.SIGTERM and stopped.value.checkpoint == out / "final"
+    assert (out / "latest").resolve() == (out / "final").resolve()
+
+
+def test_a_second_trainer_built_on_one_directory_does_not_replace_the_run_the_first_saved(llama_dir, uninterrupted,
+                                                                                          tmp_path):
+    # Built before either trained, both passed the directory check (the process shares the
+    # lock); trained in turn, the second replaced the first's checkpoints and interleaved metrics.
+    out = tmp_path / "run"
+    first = Trainer(config(llama_dir, uninterrupted[0], out, max_steps=2))
+    second = Trainer(config(llama_dir, uninterrupted[0], out, max_steps=3))
+    first.train()
+    saved = files(out)
+    with pytest.raises(UserError, match="now holds another run, saved there after this Trainer was built"):
+        second.train()
+    assert files(out) == saved
