@@ -759,7 +759,7 @@ def test_a_run_keeps_the_cache_under_its_estimated_peak_and_gives_the_limit_back
 def test_a_trained_heads_chunked_loss_leaves_the_head_as_it_found_it(llama_dir, tmp_path):
     # The memory estimate traces the chunked loss in a compiled probe: a head updated with the
     # probe's traced parameters had no value left to evaluate in the run's first validation.
-    run = trainer(llama_dir, tmp_path, batch_size=4, longest=64, finetune="full", loss_chunk=16, max_steps=1)
+    run = trainer(llama_dir, tmp_path, batch_size=2, longest=32, finetune="full", loss_chunk=8, max_steps=1)
     head = run.model.lm_head if "lm_head" in run.model else run.model.model.embed_tokens
     mx.eval(head.parameters())
     run.train()
@@ -787,6 +787,6 @@ def test_attention_that_takes_only_an_array_mask_is_estimated(tmp_path, capsys):
     config = {k: v for k, v in LLAMA_CONFIG.items() if k != "model_type"} | {
         "model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0, "sliding_window": 64}
-    run = trainer(write_model(tmp_path / "gemma2", config), tmp_path, batch_size=4, longest=64, pace_memory=False)
+    run = trainer(write_model(tmp_path / "gemma2", config), tmp_path, batch_size=2, longest=32, pace_memory=False)
     assert "no memory estimate" not in capsys.readouterr().out  # Gemma 2 had none ('str' object has no attribute)
     assert run.estimate is not None and run.estimate.activations > 0
