@@ -86,6 +86,16 @@ def raise_write_error(err: Exception) -> None:
         raise OSError(first_line(err).rstrip(".")) from err
 
 
+def write_advice(err: OSError) -> str:
+    """What to do about a failed write, from its cause: a full disk is not a read-only one. MLX's
+    own writers give no cause; a full disk is the likely one there."""
+    if err.errno in (None, errno.ENOSPC, errno.EDQUOT):
+        return "free disk space or choose another --output-dir"
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "make it writable or choose another --output-dir"
+    return "choose another --output-dir"
+
+
 def atomic_write(path: Path, write) -> None:
     """Call ``write(tmp_path)`` then rename ``tmp_path`` over ``path``.
 
@@ -267,16 +277,6 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 WINDOW_FILE = "window.safetensors"
 WINDOW_SUMS = ("mlxft.loss_sum", "mlxft.tokens")  # beside the gradients, by these names
 TRAINER_STATE = "trainer_state.json"
-def write_advice(err: OSError) -> str:
-    """What to do about a failed write, from its cause: a full disk is not a read-only one. MLX's
-    own writers give no cause; a full disk is the likely one there."""
-    if err.errno in (None, errno.ENOSPC, errno.EDQUOT):
-        return "free disk space or choose another --output-dir"
-    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return "make it writable or choose another --output-dir"
-    return "choose another --output-dir"
-
-
 LATEST = "latest"
 _STEP_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 
 from mlxft import packing
 from mlxft.fastmath import input_gradient
-from mlxft.models import hidden_states, logits_transformed, output_head
+from mlxft.models import head_projection, hidden_states, logits_transformed, output_head
 
 
 def perplexity(loss: float) -> float:
@@ -148,11 +148,8 @@ def _head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The output head's module (``lm_head`` or the tied embedding) and the function projecting
     hidden states to logits through it (a plain-head architecture's, with its family's transform
     of the logits where it has one)."""
-    if "lm_head" in model:
-        module, plain = model.lm_head, model.lm_head
-    else:
-        module, plain = model.model.embed_tokens, model.model.embed_tokens.as_linear
-    return module, output_head(model) or plain
+    module = model.lm_head if "lm_head" in model else model.model.embed_tokens
+    return module, output_head(model) or head_projection(model)
 
 
 def chunked_cross_entropy(model: nn.Module, hidden, targets, weights, label_smoothing: float, chunk: int):

@@ -228,7 +228,8 @@ def _logit_transforms(model: nn.Module) -> list[Callable[[mx.array], mx.array] |
     return transforms
 
 
-def _head_module(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
+def head_projection(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """``lm_head``, or the tied embedding read as a linear layer: the head's own projection."""
     if "lm_head" in model:
         return model.lm_head
     embed = getattr(model.model, "embed_tokens", None)
@@ -249,7 +250,7 @@ def probe_output_head(model: nn.Module) -> None:
     was_training = model.training
     model.eval()  # no dropout: both passes must compute the same function
     try:
-        head = _head_module(model)
+        head = head_projection(model)
         if head is not None:
             tokens = mx.array([[1, 2, 3, 4]])
             whole, split = model(tokens), head(model.model(tokens))
@@ -279,7 +280,7 @@ def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     elementwise transform :func:`probe_output_head` found.
     """
     split = _head_split(model)
-    head = _head_module(model) if split else None
+    head = head_projection(model) if split else None
     if head is None or split[0] is None:
         return head
     transform = split[0]
