@@ -429,9 +429,13 @@ def _check_lora_tensors(weights: dict[str, mx.array], spec: AdapterSpec, path: P
         leaf = match["leaf"]
         if spec.fine_tune_type == "lora" and leaf == "m":
             raise UserError(f"{path}: tensor {name} is a DoRA magnitude but the adapter says fine_tune_type lora")
-        rank_dim = {"lora_a": -1, "lora_b": 0}.get(leaf)
-        if rank_dim is not None and (value.ndim != 2 or value.shape[rank_dim] != spec.rank):
-            raise UserError(f"{path}: tensor {name} has shape {tuple(value.shape)}, which does not have rank {spec.rank}")
+        # A linear layer's adapters are [in, rank] and [rank, out]; a mixture of experts' stacked
+        # projection (mlx-lm's LoRASwitchLinear) has one pair an expert: [experts, rank, in], [experts, out, rank].
+        rank_dim = {(2, "lora_a"): -1, (2, "lora_b"): 0, (3, "lora_a"): 1, (3, "lora_b"): 2}.get((value.ndim, leaf))
+        if leaf != "m" and (rank_dim is None or value.shape[rank_dim] != spec.rank):
+            raise UserError(f"{path}: tensor {name} has shape {tuple(value.shape)}, which does not have rank {spec.rank} "
+                            "(a linear layer's lora_a and lora_b are [in, rank] and [rank, out], stacked experts' "
+                            "[experts, rank, in] and [experts, out, rank])")
         modules.add(match["module"])
         layers.add(int(match["layer"]))
     if not spec.targets:
@@ -847,6 +851,16 @@ def peft_config(spec: AdapterSpec, base_model: str = "") -> dict:
     }
 
 
+def require_no_experts(weights: dict[str, mx.array], spec: AdapterSpec) -> None:
+    """PEFT adapts each expert of a transformers mixture of experts as a module of its own (or,
+    in newer releases, its stacked parameters by another scheme), where mlx-lm stacks them: no
+    layout PEFT loads holds the stacked adapters as they are."""
+    stacked = sorted(name for name, value in weights.items() if value.ndim == 3)
+    if stacked:
+        raise UserError(f"{spec.path}: the adapter adapts a mixture of experts' stacked projections ({stacked[0]}), "
+                        "which PEFT cannot load; fuse it instead (python -m mlxft.fuse) or export with --format mlx-lm")
+
+
 def require_adapter(spec: AdapterSpec, what: str) -> None:
     if spec.fine_tune_type == "full":
         raise UserError(f"{spec.path} is a full fine-tune (whole weights, no adapter); {what} needs a LoRA or DoRA "
@@ -856,6 +870,7 @@ def require_adapter(spec: AdapterSpec, what: str) -> None:
 def write_peft(weights: dict[str, mx.array], spec: AdapterSpec, out: Path, base_model: str = "") -> None:
     """An adapter directory in PEFT's layout: adapter_model.safetensors and adapter_config.json."""
     require_adapter(spec, "PEFT export")
+    require_no_experts(weights, spec)
     out = Path(out)
     mx.save_safetensors(str(out / PEFT_WEIGHTS), peft_tensors(weights), metadata={"format": "pt"})
     (out / PEFT_CONFIG).write_text(json.dumps(peft_config(spec, base_model), indent=2) + "\n")

@@ -66,6 +66,7 @@ def export(adapter, fmt: str, out, *, model: str = "", overwrite: bool = False, 
     write = adapters.write_peft if fmt == "peft" else adapters.write_mlx
     if fmt == "peft":
         adapters.require_adapter(spec, "PEFT export")  # refuse before creating anything
+        adapters.require_no_experts(weights, spec)
     _write_atomically(out, overwrite, lambda tmp: write(weights, spec, tmp, model or ""))
     quantized = adapters.base_quantization(spec)
     if quantized:

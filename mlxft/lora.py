@@ -2,10 +2,15 @@
 
 Targets are module names inside a transformer layer (``self_attn.q_proj``) or the shorthands
 ``default``, ``all``, ``attn`` and ``mlp``. ``attn`` is the token mixer of each layer, which
-for LFM2 means the attention projections and the short-convolution in/out projections;
-``mlp`` is the feed-forward. ``default`` is both, which covers every linear layer of the
+for LFM2 means the attention projections and the short-convolution in/out projections (for
+hybrids such as Granite-4.0-H, the Mamba mixers' too); ``mlp`` is the feed-forward, a
+mixture of experts' stacked expert projections (mlx-lm's ``SwitchLinear``) and router
+included, as mlx-lm adapts them. ``default`` is both, which covers every linear layer of the
 Llama and LFM2 families. For full fine-tuning ``layers`` trains every weight of the selected
 layers, norms included: what mlx-lm's full fine-tuning trains.
+
+A run resumed from a checkpoint adapts the modules the checkpoint names, not what its
+shorthand resolves to today: a later release that widens ``default`` cannot break a resume.
 """
 
 from __future__ import annotations
@@ -18,8 +23,19 @@ from mlxft.config import WHOLE_LAYERS, AdapterConfig
 from mlxft.errors import UserError
 
 _LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
-_MIXER_WORDS = ("attn", "attention", "conv", "mixer")
-_FEED_FORWARD_WORDS = ("mlp", "feed_forward", "ffn")
+_MIXER_WORDS = ("attn", "attention", "conv", "mixer", "mamba")
+_FEED_FORWARD_WORDS = ("mlp", "feed_forward", "ffn", "moe")
+
+
+def _expert_types() -> tuple[type, ...]:
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    return SwitchLinear, QuantizedSwitchLinear
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a mixture of experts' stacked projection (mlx-lm's SwitchLinear)."""
+    return isinstance(module, _expert_types())
 
 
 def selected_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
@@ -34,7 +50,7 @@ def linear_names(layers: list[nn.Module]) -> list[str]:
     names = set()
     for layer in layers:
         for name, module in layer.named_modules():
-            if isinstance(module, _LINEAR_TYPES) or hasattr(module, "to_lora"):
+            if isinstance(module, _LINEAR_TYPES) or is_experts(module) or hasattr(module, "to_lora"):
                 names.add(name)
     return sorted(names)
 
@@ -48,10 +64,10 @@ def _check_rank(layers: list[nn.Module], targets: list[str], rank: int) -> None:
         modules = dict(layer.named_modules())
         for name in targets:
             module = modules.get(name)
-            if not isinstance(module, _LINEAR_TYPES):
+            if not (isinstance(module, _LINEAR_TYPES) or is_experts(module)):
                 continue
-            out_dims, packed = module.weight.shape
-            in_dims = packed * 32 // module.bits if isinstance(module, nn.QuantizedLinear) else packed
+            out_dims, packed = module.weight.shape[-2:]  # an expert stack's are [experts, out, in]
+            in_dims = packed * 32 // module.bits if hasattr(module, "bits") else packed
             if widest is None or min(in_dims, out_dims) > widest[0]:
                 widest = (min(in_dims, out_dims), name, in_dims, out_dims)
     if widest is not None and rank > widest[0]:
@@ -93,27 +109,45 @@ def resolve_targets(targets: list[str], available: list[str]) -> list[str]:
     return sorted(chosen)
 
 
-def check(model: nn.Module, config: AdapterConfig) -> list[str]:
-    """The LoRA/DoRA targets ``config`` names in ``model``, once they and the rank are known
-    to fit, changing nothing (a refused run leaves a model passed in as it was)."""
+def check(model: nn.Module, config: AdapterConfig, resolved: list[str] | None = None) -> list[str]:
+    """The LoRA/DoRA targets ``config`` names in ``model`` (``resolved``: the module names a
+    checkpoint recorded, which a resumed run keeps), once they and the rank are known to fit,
+    changing nothing (a refused run leaves a model passed in as it was)."""
     layers = selected_layers(model, config.num_layers)
-    targets = resolve_targets(config.targets, linear_names(layers))
+    targets = _recorded(resolved, linear_names(layers)) if resolved is not None else \
+        resolve_targets(config.targets, linear_names(layers))
     _check_rank(layers, targets, config.rank)
+    if config.finetune == "dora":
+        experts = sorted({name for layer in layers for name, module in layer.named_modules()
+                          if name in targets and is_experts(module)})
+        if experts:
+            raise UserError(f"config field adapter.targets: DoRA cannot adapt a mixture of experts' stacked projections "
+                            f"({', '.join(experts)}; mlx-lm has no DoRA layer for them); pass --targets attn or the "
+                            "modules outside the experts, or use --finetune lora")
     return targets
 
 
-def apply(model: nn.Module, config: AdapterConfig, seed: int) -> list[str]:
+def _recorded(resolved: list[str], available: list[str]) -> list[str]:
+    missing = [name for name in resolved if name not in available]
+    if missing:
+        raise UserError(f"cannot resume: the checkpoint trains {missing[0]}, which this model's layers do not have; "
+                        "pass the model the checkpoint was trained on")
+    return sorted(resolved)
+
+
+def apply(model: nn.Module, config: AdapterConfig, seed: int, resolved: list[str] | None = None) -> list[str]:
     """Make the requested part of ``model`` trainable; return the targeted module names.
 
     The model comes in frozen. LoRA/DoRA layers are seeded so a run's initial adapters
-    depend only on ``seed``.
+    depend only on ``seed``. ``resolved`` (module names, as this returns them) replaces
+    resolving ``config.targets``: a resumed run adapts what its checkpoint recorded.
     """
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     layers = selected_layers(model, config.num_layers)
     if config.finetune == "full":
-        return _unfreeze(model, layers, config)
-    targets = check(model, config)
+        return _unfreeze(model, layers, config, resolved)
+    targets = check(model, config, resolved)
     mx.random.seed(seed)
     try:
         linear_to_lora_layers(
@@ -143,9 +177,19 @@ def _lora_in_input_dtype(self, x):
     return y + (self.scale * z).astype(x.dtype)
 
 
+def _experts_lora_in_input_dtype(self, x, indices, sorted_indices=False):
+    # As _lora_in_input_dtype, for mlx-lm's LoRASwitchLinear: each token's chosen experts' adapters.
+    y = self.linear(x, indices, sorted_indices=sorted_indices)
+    z = mx.gather_mm(self.dropout(x), self.lora_a.astype(x.dtype).swapaxes(-1, -2), rhs_indices=indices,
+                     sorted_indices=sorted_indices)
+    z = mx.gather_mm(z, self.lora_b.astype(x.dtype).swapaxes(-1, -2), rhs_indices=indices,
+                     sorted_indices=sorted_indices)
+    return y + (self.scale * z).astype(x.dtype)
+
+
 def computes_in_input_dtype(module: nn.Module) -> bool:
     """Whether :func:`compute_lora_in_input_dtype` gave ``module`` its arithmetic."""
-    return type(module).__call__ is _lora_in_input_dtype
+    return type(module).__call__ in (_lora_in_input_dtype, _experts_lora_in_input_dtype)
 
 
 def plain_lora(module: nn.Module) -> bool:
@@ -165,33 +209,38 @@ def only_adapters_cast_per_call(model: nn.Module) -> bool:
     """Whether every trainable parameter of ``model`` is the ``lora_a`` or ``lora_b`` of a LoRA
     layer that casts it to its input's dtype at each call (:func:`compute_lora_in_input_dtype`):
     then handing the layers the adapters already in that dtype computes the same thing."""
-    from mlx_lm.tuner.lora import LoRALinear
+    from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
 
     modules = dict(model.named_modules())
     for name, _ in tree_flatten(model.trainable_parameters()):
         owner, _, leaf = name.rpartition(".")
         module = modules.get(owner)
-        if leaf not in ("lora_a", "lora_b") or not isinstance(module, LoRALinear) or not computes_in_input_dtype(module):
+        if (leaf not in ("lora_a", "lora_b") or not isinstance(module, (LoRALinear, LoRASwitchLinear))
+                or not computes_in_input_dtype(module)):
             return False
     return True
 
 
 def compute_lora_in_input_dtype(model: nn.Module) -> None:
-    """Make every mlx-lm ``LoRALinear`` of ``model`` compute in its input's dtype.
+    """Make every mlx-lm ``LoRALinear`` and ``LoRASwitchLinear`` of ``model`` compute in its input's dtype.
 
     Each layer instance gets a subclass overriding ``__call__`` (parameter names unchanged;
     other models sharing the class are unaffected). A float32 model computes exactly as before.
     """
-    from mlx_lm.tuner.lora import LoRALinear
+    from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
 
     for _, module in model.named_modules():
         cls = type(module)
-        if isinstance(module, LoRALinear) and cls.__call__ is LoRALinear.__call__:
-            module.__class__ = type(cls.__name__, (cls,), {"__call__": _lora_in_input_dtype})
+        for base, call in ((LoRALinear, _lora_in_input_dtype), (LoRASwitchLinear, _experts_lora_in_input_dtype)):
+            if isinstance(module, base) and cls.__call__ is base.__call__:
+                module.__class__ = type(cls.__name__, (cls,), {"__call__": call})
 
 
-def _unfreeze(model: nn.Module, layers: list[nn.Module], config: AdapterConfig) -> list[str]:
-    if any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
+def _unfreeze(model: nn.Module, layers: list[nn.Module], config: AdapterConfig,
+              resolved: list[str] | None = None) -> list[str]:
+    from mlxft.models import is_quantized
+
+    if is_quantized(model):
         raise UserError("full fine-tuning needs an unquantized base; drop --quantize or use --finetune lora")
     if config.targets == ["default"] and config.num_layers == -1:
         model.unfreeze()
@@ -200,10 +249,10 @@ def _unfreeze(model: nn.Module, layers: list[nn.Module], config: AdapterConfig) 
         for layer in layers:
             layer.unfreeze()
         return [WHOLE_LAYERS]
-    targets = config.targets
-    if targets == ["default"]:
-        targets = ["all"]
-    targets = resolve_targets(targets, linear_names(layers))
+    if resolved is not None:
+        targets = _recorded(resolved, linear_names(layers))
+    else:
+        targets = resolve_targets(["all"] if config.targets == ["default"] else config.targets, linear_names(layers))
     for layer in layers:
         for name, module in layer.named_modules():
             if name in targets:

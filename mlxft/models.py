@@ -127,13 +127,24 @@ def resolve_dtype(name: str) -> mx.Dtype:
 
 # What mlx-lm's loader raises for a directory it cannot load: a missing or unreadable file,
 # bad JSON, a config.json with a field missing or of the wrong type.
+def _strict_config_errors() -> tuple[type[BaseException], ...]:
+    """huggingface_hub's error for a config.json that transformers' validated config classes
+    reject (a Granite-4.0-H whose Mamba heads do not match its width), raised while the
+    tokenizer loads; not a ValueError, and absent from older releases."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
 LOAD_ERRORS = (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError, RuntimeError, TypeError,
-               AttributeError)
+               AttributeError, *_strict_config_errors())
 
 
 def load_error(path, err: BaseException) -> UserError:
     """One line for a model directory mlx-lm could not load."""
-    hint = "; check its config.json" if isinstance(err, (TypeError, AttributeError, KeyError)) else ""
+    hint = "; check its config.json" if isinstance(err, (TypeError, AttributeError, KeyError, *_strict_config_errors())) else ""
     return UserError(f"cannot load model from {path}: {first_line(err)}{hint}")
 
 
@@ -207,7 +218,10 @@ def _check_group_size(model: nn.Module, group_size: int) -> None:
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
+    return any(isinstance(m, quantized) for _, m in model.named_modules())
 
 
 HEAD_PROBE = "_mlxft_head_split"  # what probe_output_head found (see there)

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 from mlxft import (_blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models,
                    normed, packing, runlock)
-from mlxft.config import RunConfig, inert_settings, validate
+from mlxft.config import WHOLE_LAYERS, RunConfig, inert_settings, validate
 from mlxft.errors import UserError, first_line, print_error
 from mlxft.gguf import check_output_apart
 from mlxft.loss import cross_entropy, evaluation_loss, frozen_head, hidden_loss, loss_fn
@@ -118,6 +118,19 @@ def check_output_dir(run_dir: Path, overwrite: bool, resume_from: Path | None = 
     if clash:
         raise UserError(f"output directory {run_dir} holds {clash}, which a run would overwrite; "
                         "choose another --output-dir or pass --overwrite")
+
+
+def _recorded_targets(saved: dict | None, path: Path | None) -> list[str] | None:
+    """The module names a checkpoint's run adapted or trained (None: no checkpoint, one from
+    before they were recorded, or a whole-model or whole-layer run, which names none)."""
+    modules = (saved or {}).get("state", {}).get("train_modules")
+    if not isinstance(modules, dict) or "targets" not in modules:
+        return None
+    targets = modules["targets"]
+    if not (isinstance(targets, list) and targets and all(isinstance(name, str) for name in targets)):
+        raise UserError(f"{path / checkpoint.TRAINER_STATE}: train_modules.targets is not a list of module names "
+                        f"(got {targets!r}); the file is damaged")
+    return None if targets in (["*"], [WHOLE_LAYERS]) else targets
 
 
 def _check_output_outside_checkpoint(run_dir: Path, resume_from: Path | None) -> None:
@@ -366,8 +379,9 @@ class Trainer:
         # checks: a refused run leaves a model the caller passed in as it was.
         _check_unadapted(model)
         _check_model_settings(model, config)
+        recorded = _recorded_targets(saved, resume_from)  # what the checkpoint adapts, however "default" reads now
         if config.adapter.finetune != "full":
-            lora.check(model, config.adapter)
+            lora.check(model, config.adapter, recorded)
         if self.world.is_main:
             _check_creatable(self.run_dir)
         model.freeze()  # mlx_lm.load's is not: unfrozen, "LoRA" would train every weight
@@ -377,7 +391,7 @@ class Trainer:
 
             self.targets = start_from(model, config.adapter, config.adapter.init_adapter, t.seed)
         else:
-            self.targets = lora.apply(model, config.adapter, t.seed)
+            self.targets = lora.apply(model, config.adapter, t.seed, recorded)
         if config.data.pack:
             packing.enable(model)
         fastmath.enable(model, config.model.recompute_mlp, config.model.recompute_mlp_layers)
