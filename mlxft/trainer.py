@@ -803,8 +803,11 @@ class Trainer:
                     if k:
                         self._account(step)
                     # The resumed run starts after them, so they are logged now or never; the
-                    # last closes the log's window whatever the cadence.
-                    self._log_step(step, force=k == len(stopped) - 1)
+                    # last closes the log's window whatever the cadence. Each one's time ends
+                    # where the next began to be queued (else a queued step's rate spanned only
+                    # the moment between two log lines).
+                    last = k == len(stopped) - 1
+                    self._log_step(step, None if last else stopped[k + 1].queued_at, force=last)
                 self.pending = []
                 if self.world.size > 1 and self.window is not None:
                     # The next window's first micro-batch was queued before this step was read,

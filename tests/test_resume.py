@@ -512,6 +512,8 @@ def test_non_finite_streak_stops_with_an_emergency_checkpoint(llama_dir, uninter
     # The resumed run starts after them, so every step the checkpoint holds is in the log.
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["type"] == "train"] == list(range(1, saved_at + 1))
+    # Each record's time is its own steps' (a step queued behind the stopping one had 0.5 ms, at 100x the rate).
+    assert all(r["seconds"] > 0.01 for r in records if r["type"] == "train")
 
 
 def test_float16_counts_only_steps_that_fail_at_the_loss_scales_floor(llama_dir, uninterrupted, tmp_path):
