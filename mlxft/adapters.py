@@ -20,6 +20,7 @@ import json
 import math
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,7 @@ class AdapterSpec:
     model_type: str = ""
     base_model: str = ""
     base_revision: str = ""  # the hub revision of a hub base_model the adapter was trained on
+    base_weights: str = ""  # models.weights_fingerprint of the base an mlxft run loaded
     source: str = ""  # mlxft | mlx-lm | peft
     path: Path = Path(".")
     run_config: dict | None = None  # an mlxft run's config.yaml, when there is one (an export's header: RUN_SETTINGS)
@@ -191,7 +193,7 @@ def _mlxft_spec(path: Path, meta: dict[str, str]) -> AdapterSpec:
             scale=float(meta["scale"]), dropout=float(meta["dropout"]), targets=list(targets),
             num_layers=int(meta["num_layers"]), model_type=meta.get("model_type", ""),
             base_model=meta.get("base_model", ""), base_revision=meta.get("base_revision", ""), source="mlxft",
-            path=path,
+            base_weights=meta.get("base_weights", ""), path=path,
             base_quantization=_base_quantization(meta.get("base_quantization"), where),
             partial=_partial(path, meta))
         if RUN_SETTINGS in meta:
@@ -336,7 +338,8 @@ def _mlx_lm_spec(path: Path, config: dict) -> AdapterSpec:
         dropout=_dropout(params, "dropout", where), targets=targets if fine_tune_type == "full" else [],
         num_layers=num_layers, model_type=_text(config, "model_type", where),
         base_model=_text(config, "base_model", where) or _text(config, "model", where),
-        base_revision=_text(config, "base_revision", where), source="mlx-lm", path=path,
+        base_revision=_text(config, "base_revision", where), base_weights=_text(config, "base_weights", where),
+        source="mlx-lm", path=path,
         base_quantization=_base_quantization(config.get("base_quantization"), where))
 
 
@@ -755,9 +758,21 @@ def load_with_adapter(model: str | None, adapter: str | None, dtype: str | None 
             raise
         raise UserError(f"{err} (the base recorded in {spec.path}; pass --model to use another)") from err
     if spec is not None:
+        _warn_other_base_weights(spec, path, model)
         attach(base, spec, weights)
     base.eval()
     return Loaded(base, tokenizer, Path(path), config, spec)
+
+
+def _warn_other_base_weights(spec: AdapterSpec, path: Path, model: str | None) -> None:
+    """Say so where the base an adapter recorded now holds other weights than it was trained on
+    (a hub id that moved on, a directory saved over): its output would be another model's. A
+    base chosen with --model is the user's choice, not a surprise."""
+    if not spec.base_weights or (model and models.absolute_name(model) != spec.base_model):
+        return
+    if models.weights_fingerprint(path) not in (None, spec.base_weights):
+        print(f"warning: the weights in {path} differ from those {spec.path} was trained on; its adapters go on "
+              "another model (restore the original weights, or pass --model to choose the base)", file=sys.stderr)
 
 
 def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, tokenizer_dir: Path | None = None,
@@ -783,10 +798,7 @@ def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int
     if quantize and not models.is_quantized(model):
         model.set_dtype(models.resolve_dtype(quantize_dtype or dtype))
         model, config = quantize_model(model, config, group_size, quantize)
-    model.set_dtype(models.resolve_dtype(dtype))
-    models.check_expert_dtype(model)
-    model.freeze()
-    models.probe_output_head(model)
+    models.finish_loading(model, dtype)
     return model, tokenizer, path, config
 
 

@@ -134,15 +134,18 @@ def write_json(path: Path, data: dict) -> None:
 
 def adapter_metadata(fine_tune_type: str, rank: int, alpha: float, dropout: float, targets: list[str],
                      num_layers: int, model_type: str, base_model: str = "",
-                     base_quantization: dict | None = None, base_revision: str = "") -> dict[str, str]:
+                     base_quantization: dict | None = None, base_revision: str = "",
+                     base_weights: str = "") -> dict[str, str]:
     """The safetensors header entries (strings only) that describe an adapter file.
     ``base_quantization`` (``bits``, ``group_size``, ``dtype``): how the run quantized a float
     base on load (QLoRA), which the adapter belongs to as much as to the base's weights;
     ``base_revision``: the hub revision of a hub base, so a copy of the adapter finds the
-    weights it was trained on."""
+    weights it was trained on; ``base_weights``: their :func:`mlxft.models.weights_fingerprint`,
+    so loading the adapter on what that name holds later can tell when it is no longer them."""
     quantization = {"base_quantization": json.dumps(base_quantization, sort_keys=True)} if base_quantization else {}
     revision = {"base_revision": base_revision} if base_revision else {}
-    return {**quantization, **revision,
+    fingerprint = {"base_weights": base_weights} if base_weights else {}
+    return {**quantization, **revision, **fingerprint,
         "format": FORMAT,
         "partial": "false",  # every tensor of the span is here (see mlxft.adapters.AdapterSpec.partial)
         "fine_tune_type": fine_tune_type,
@@ -186,8 +189,9 @@ def mlx_lm_adapter_config(metadata: dict[str, str]) -> dict:
         config["lora_parameters"]["keys"] = targets
     if metadata.get("base_quantization"):
         config["base_quantization"] = json.loads(metadata["base_quantization"])
-    if metadata.get("base_revision"):
-        config["base_revision"] = metadata["base_revision"]
+    for key in ("base_revision", "base_weights"):
+        if metadata.get(key):
+            config[key] = metadata[key]
     return config
 
 
@@ -768,12 +772,16 @@ RESUME_FORCEABLE = ("model.model", "model.revision", "model.dtype", "model.quant
 
 def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: bool,
                  saved_data: str | None = None, train_data: str | None = None,
-                 saved_dtype: str | None = None, dtype: str | None = None) -> list[str]:
-    """Refuse a resume whose settings or training data differ from the checkpoint's; return
-    the differences ``force`` let through. ``saved_data`` and ``train_data`` are training-set
-    fingerprints (:attr:`mlxft.data.Dataset.fingerprint`; checkpoints before them have none),
-    ``saved_dtype`` and ``dtype`` the dtypes computed in, which one ``model.dtype`` (auto)
-    names differently on a CPU and a GPU."""
+                 saved_dtype: str | None = None, dtype: str | None = None,
+                 saved_weights: str | None = None, weights: str | None = None) -> list[str]:
+    """Refuse a resume whose settings, training data or base weights differ from the
+    checkpoint's; return the differences ``force`` let through. ``saved_data`` and
+    ``train_data`` are training-set fingerprints (:attr:`mlxft.data.Dataset.fingerprint`;
+    checkpoints before them have none), ``saved_dtype`` and ``dtype`` the dtypes computed in,
+    which one ``model.dtype`` (auto) names differently on a CPU and a GPU, ``saved_weights``
+    and ``weights`` the base model's :func:`mlxft.models.weights_fingerprint` (None where a
+    model was passed in, or before they were recorded): the same ``--model`` name may hold
+    other weights by now (a hub id that moved on, a directory written over)."""
 
     def get(config, dotted):
         section, key = dotted.split(".")
@@ -805,6 +813,12 @@ def check_resume(saved: dict, current: dict, saved_task: str, task: str, force: 
                             "rows, or another tokenizer or max_seq_length), so the run would not continue where it "
                             "stopped (pass --force to resume anyway)")
         forced.append("training data changed")
+    if saved_weights is not None and weights is not None and saved_weights != weights:
+        if not force:
+            raise UserError(f"cannot resume: the weights in {get(current, 'model.model')} differ from those the "
+                            "checkpoint was trained on (a newer download or another model saved there), so its "
+                            "adapters would continue on another base (pass --force to resume anyway)")
+        forced.append("base model weights changed")
     return forced
 
 

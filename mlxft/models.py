@@ -46,6 +46,39 @@ def check_model_name(name: str) -> bool:
     return False
 
 
+_FINGERPRINT_SAMPLES = 64  # blocks read across each weights file
+_FINGERPRINT_BLOCK = 4096
+
+
+def weights_fingerprint(path) -> str | None:
+    """A hash telling one model directory's weights from another's without reading them all:
+    each ``model*.safetensors`` file's (what mlx-lm loads) name, size, header (tensor names,
+    dtypes, shapes, offsets) and 64 blocks of 4 KiB spread over its data. A re-download of a
+    hub id that moved on, or another fine-tune of the same shape, differs in every block; a
+    few ms even for a large model. None where the directory holds no such file (GGUF)."""
+    import hashlib
+
+    files = sorted(Path(path).glob("model*.safetensors"))
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        try:
+            with open(file, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                digest.update(f"{file.name}\0{size}\0".encode())
+                header_length = int.from_bytes(handle.read(8), "little")
+                digest.update(handle.read(min(header_length, size)))
+                start = 8 + header_length
+                span = max(size - start - _FINGERPRINT_BLOCK, 0)
+                for sample in range(_FINGERPRINT_SAMPLES):
+                    handle.seek(start + span * sample // max(_FINGERPRINT_SAMPLES - 1, 1))
+                    digest.update(handle.read(_FINGERPRINT_BLOCK))
+        except OSError as err:
+            raise UserError(f"cannot read {file}: {first_line(err)}") from err
+    return digest.hexdigest()[:32]
+
+
 def resolve_model_path(name: str, revision: str = "") -> Path:
     """A local model directory as is, or a hub repo id downloaded (cached) via huggingface-hub."""
     path = Path(name).expanduser()
@@ -180,6 +213,12 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
         _check_group_size(model, group_size)
         model.set_dtype(resolve_dtype(quantize_dtype or dtype))
         model, config = quantize_model(model, config, group_size, quantize)
+    finish_loading(model, dtype)
+    return model, tokenizer, path, config
+
+
+def finish_loading(model: nn.Module, dtype: str) -> None:
+    """Cast a loaded (and perhaps quantized) model to ``dtype``, frozen, its output head probed."""
     model.set_dtype(resolve_dtype(dtype))
     check_expert_dtype(model)
     # Cast (and quantized) now: left lazy, the checkpoint's own tensors stay allocated beside
@@ -188,7 +227,6 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
     mx.eval(model.parameters())
     model.freeze()
     probe_output_head(model)
-    return model, tokenizer, path, config
 
 
 def check_expert_dtype(model: nn.Module) -> None:

@@ -309,12 +309,14 @@ class Trainer:
             self.train_file = datasets[0].path
             self.valid_file = datasets[1].path if datasets[1] is not None else None
 
+        self.base_weights = None  # a model passed in is whatever the caller made it: nothing to fingerprint
         if model is None:
             with self.world.local_work():  # a download or a large model may take longer than --dist-timeout
                 model, tokenizer, model_path, _ = models.load(
                     builtin.resolve(config.model.model), config.model.dtype, config.model.quantize,
                     config.model.quantize_group_size, config.model.revision, config.model.quantize_dtype,
                 )
+                self.base_weights = models.weights_fingerprint(model_path)
             # A run writes tokenizer files and adapters where it is told, and --overwrite clears
             # it: neither may reach the model or adapter it starts from (a run inside them
             # touches none of their files).
@@ -360,7 +362,8 @@ class Trainer:
             forced = checkpoint.check_resume(saved["config"], config.to_dict(), saved["state"].get("task"),
                                              self.train_set.kind, t.force, saved["state"].get("train_data"),
                                              self.train_set.fingerprint, saved["state"].get("compute_dtype"),
-                                             _dtype_name(models.compute_dtype(model)))
+                                             _dtype_name(models.compute_dtype(model)),
+                                             saved["state"].get("base_weights"), self.base_weights)
             if saved["state"]["step"] > self.total_steps:  # it would train nothing and save over `final`
                 raise UserError(f"--resume {t.resume}: the checkpoint is at step {saved['state']['step']}, past this "
                                 f"run's {self.total_steps} steps; raise --max-steps or --epochs to train further")
@@ -1004,7 +1007,8 @@ class Trainer:
         dtype = m.quantize_dtype or next(name for name, d in models.DTYPES.items() if d == models.resolve_dtype(m.dtype))
         quantized = {"bits": m.quantize, "group_size": m.quantize_group_size, "dtype": dtype} if m.quantize else None
         return checkpoint.adapter_metadata(a.finetune, a.rank, a.alpha, a.dropout, self.targets, layers,
-                                           models.family(self.model), m.model, quantized, m.revision)
+                                           models.family(self.model), m.model, quantized, m.revision,
+                                           self.base_weights or "")
 
     def training_state(self) -> dict:
         c = self.config
@@ -1042,6 +1046,7 @@ class Trainer:
             "run_id": self.run_id,
             # model.dtype "auto" is float32 on a CPU and bfloat16 on a GPU: what it resolved to
             "compute_dtype": _dtype_name(models.compute_dtype(self.model)),
+            "base_weights": self.base_weights,  # models.weights_fingerprint of the directory loaded
         }
 
     def save_checkpoint(self, kind: str, run_files: bool = False) -> Path:

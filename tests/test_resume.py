@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxft import RunConfig, Trainer, checkpoint
+from mlxft import RunConfig, Trainer, adapters, checkpoint, models
 from mlxft.errors import UserError
 from mlxft.step import LossScaler, gradient_tree
 from mlxft.trainer import TrainingStopped, check_output_dir
@@ -143,6 +143,28 @@ def test_resume_refuses_other_settings(llama_dir, uninterrupted, tmp_path):
     in_bf16.model.dtype = "bfloat16"
     with pytest.raises(UserError, match=r"model.dtype is 'bfloat16' but .* \(pass --force"):
         Trainer(in_bf16)
+
+
+def test_resume_refuses_other_base_weights_under_the_same_model_name(llama_dir, uninterrupted, tmp_path, capsys):
+    # A hub id that moved on, or a directory saved over: the name matches, the weights do not.
+    model, out = tmp_path / "model", tmp_path / "run"
+    shutil.copytree(llama_dir, model)
+    Trainer(config(model, uninterrupted[0], out, max_steps=2)).train()
+    state = json.loads((out / "latest" / "trainer_state.json").read_text())
+    assert state["base_weights"] == models.weights_fingerprint(llama_dir)  # a copy is the same model
+    weights_file = model / "model.safetensors"
+    tensors = mx.load(str(weights_file))
+    mx.save_safetensors(str(weights_file), {name: value * 1.01 for name, value in tensors.items()})
+    resumed = config(model, uninterrupted[0], out, resume="latest", max_steps=4)
+    with pytest.raises(UserError, match=r"the weights in .*model differ from those the checkpoint was trained on "
+                                        r".*\(pass --force"):
+        Trainer(resumed)
+    resumed.train.force = True
+    assert Trainer(resumed).step_count == 2
+    assert "forced: base model weights changed" in capsys.readouterr().out
+    # Loading the run's adapter on the base it recorded says so too (evaluate, generate, fuse).
+    adapters.load_with_adapter(None, str(out))
+    assert f"warning: the weights in {model} differ from those {out} was trained on" in capsys.readouterr().err
 
 
 def test_resume_refuses_another_quantization_group_unless_forced(tmp_path):
