@@ -158,8 +158,6 @@ def resolve_dtype(name: str) -> mx.Dtype:
     return DTYPES[name]
 
 
-# What mlx-lm's loader raises for a directory it cannot load: a missing or unreadable file,
-# bad JSON, a config.json with a field missing or of the wrong type.
 def _strict_config_errors() -> tuple[type[BaseException], ...]:
     """huggingface_hub's error for a config.json that transformers' validated config classes
     reject (a Granite-4.0-H whose Mamba heads do not match its width), raised while the
@@ -171,6 +169,8 @@ def _strict_config_errors() -> tuple[type[BaseException], ...]:
     return (StrictDataclassError,)
 
 
+# What mlx-lm's loader raises for a directory it cannot load: a missing or unreadable file,
+# bad JSON, a config.json with a field missing or of the wrong type, or one transformers rejects.
 LOAD_ERRORS = (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError, RuntimeError, TypeError,
                AttributeError, *_strict_config_errors())
 
