@@ -169,15 +169,17 @@ def _strict_config_errors() -> tuple[type[BaseException], ...]:
     return (StrictDataclassError,)
 
 
+_STRICT_CONFIG_ERRORS = _strict_config_errors()
+
 # What mlx-lm's loader raises for a directory it cannot load: a missing or unreadable file,
 # bad JSON, a config.json with a field missing or of the wrong type, or one transformers rejects.
 LOAD_ERRORS = (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError, OSError, RuntimeError, TypeError,
-               AttributeError, *_strict_config_errors())
+               AttributeError, *_STRICT_CONFIG_ERRORS)
 
 
 def load_error(path, err: BaseException) -> UserError:
     """One line for a model directory mlx-lm could not load."""
-    hint = "; check its config.json" if isinstance(err, (TypeError, AttributeError, KeyError, *_strict_config_errors())) else ""
+    hint = "; check its config.json" if isinstance(err, (TypeError, AttributeError, KeyError, *_STRICT_CONFIG_ERRORS)) else ""
     return UserError(f"cannot load model from {path}: {first_line(err)}{hint}")
 
 
