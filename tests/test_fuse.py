@@ -94,7 +94,7 @@ def test_a_bfloat16_qlora_run_is_loaded_in_float32_on_the_base_it_trained_on(lla
 def test_full_fine_tune_fuses_to_its_weights_and_shards(llama_dir, runs_root, tmp_path):
     run = synthetic_run(runs_root, llama_dir, "full")
     unfused = logits(adapted(run))
-    out = fuse(str(run), str(llama_dir), tmp_path / "full", max_shard_gb=0.02)  # 20 MB shards
+    out = fuse(str(run), str(llama_dir), tmp_path / "full", max_shard_gb=0.001)  # 1 MB shards
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     assert len(shards) >= 2 and not (out / "model.safetensors").exists()
     index = json.loads((out / "model.safetensors.index.json").read_text())

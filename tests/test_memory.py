@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import LFM2_CONFIG, LLAMA_CONFIG, write_model
+from conftest import KEPT_TOKENS, LFM2_CONFIG, LLAMA_CONFIG, write_model
 from mlxft import RunConfig, _gpu, fastmath, generation, lora, memory, models
 from mlxft.config import AdapterConfig
 from mlxft.data import Dataset, Example
@@ -47,7 +47,7 @@ def random_rows(n: int, longest: int, seed: int = 0) -> list[Example]:
         length = int(rng.integers(longest // 2, longest + 1))
         mask = np.ones(length, bool)
         mask[: length // 3] = False
-        rows.append(Example(rng.integers(3, 30000, size=length).astype(np.int32), mask))
+        rows.append(Example(rng.integers(3, KEPT_TOKENS, size=length).astype(np.int32), mask))
     return rows
 
 
