@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import KEPT_TOKENS, LFM2_CONFIG, LLAMA_CONFIG, VOCAB, write_model
+from conftest import KEPT_TOKENS, LFM2_CONFIG, LLAMA_CONFIG, write_model
 from mlxft import RunConfig, _gpu, fastmath, generation, lora, memory, models
 from mlxft.config import AdapterConfig
 from mlxft.data import Dataset, Example
 from mlxft.trainer import Trainer, TrainingStopped
 
 SIZES = {"hidden_size": 256, "intermediate_size": 512, "block_dim": 256, "block_ff_dim": 512,
-         "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"], "vocab_size": VOCAB}
+         "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"], "vocab_size": 32000}
 
 
 @pytest.fixture(scope="module", params=["llama", "lfm2"])
