@@ -706,7 +706,12 @@ def base_revision(model: str | None, revision: str | None, spec: AdapterSpec | N
 
 def _recorded_revision(spec: AdapterSpec, base_model: str) -> str:
     """The revision an exported adapter records: its own, unless it is recorded for another base."""
-    return spec.base_revision if not base_model or base_model == spec.base_model else ""
+    return spec.base_revision if _same_base(spec, base_model) else ""
+
+
+def _same_base(spec: AdapterSpec, base_model: str) -> bool:
+    """Whether an export records the base the adapter recorded (no other base was named)."""
+    return not base_model or base_model == spec.base_model
 
 
 def add_model_arguments(parser, dtype_of_run: bool = False) -> None:
@@ -770,7 +775,7 @@ def _warn_other_base_weights(spec: AdapterSpec, path: Path, model: str | None) -
     base chosen with --model is the user's choice, not a surprise."""
     if not spec.base_weights or (model and models.absolute_name(model) != spec.base_model):
         return
-    if models.weights_fingerprint(path) not in (None, spec.base_weights):
+    if models.weights_fingerprint(path, like=spec.base_weights) not in (None, spec.base_weights):
         print(f"warning: the weights in {path} differ from those {spec.path} was trained on; its adapters go on "
               "another model (restore the original weights, or pass --model to choose the base)", file=sys.stderr)
 
@@ -923,7 +928,8 @@ def write_mlx(weights: dict[str, mx.array], spec: AdapterSpec, out: Path, base_m
             num_layers = -1
     metadata = checkpoint.adapter_metadata(spec.fine_tune_type, spec.rank, spec.alpha, spec.dropout, spec.targets,
                                            num_layers, spec.model_type, base_model or spec.base_model,
-                                           base_quantization(spec), _recorded_revision(spec, base_model))
+                                           base_quantization(spec), _recorded_revision(spec, base_model),
+                                           spec.base_weights if _same_base(spec, base_model) else "")
     metadata["scale"] = repr(float(spec.scale))  # exactly the source's (alpha / rank may round)
     metadata["partial"] = "true" if spec.partial else "false"  # for mlxft; mlx-lm fills any gap this way
     settings = exported_settings(spec)

@@ -48,19 +48,25 @@ def check_model_name(name: str) -> bool:
 
 _FINGERPRINT_SAMPLES = 64  # blocks read across each weights file
 _FINGERPRINT_BLOCK = 4096
+_FINGERPRINT_PER_TENSOR = "2:"  # the prefix of fingerprints that also sample every tensor
 
 
-def weights_fingerprint(path) -> str | None:
+def weights_fingerprint(path, like: str = "") -> str | None:
     """A hash telling one model directory's weights from another's without reading them all:
     each ``model*.safetensors`` file's (what mlx-lm loads) name, size, header (tensor names,
-    dtypes, shapes, offsets) and 64 blocks of 4 KiB spread over its data. A re-download of a
-    hub id that moved on, or another fine-tune of the same shape, differs in every block; a
-    few ms even for a large model. None where the directory holds no such file (GGUF)."""
+    dtypes, shapes, offsets), 64 blocks of 4 KiB spread over its data, and a block from the
+    middle of every tensor. Another fine-tune of the same shape, even one that changed a
+    single projection (a LoRA fused into one layer), differs in that tensor's block; a few
+    ms even for a large model. None where the directory holds no such file (GGUF).
+
+    ``like``: a recorded fingerprint, computed again in its scheme (those recorded before the
+    per-tensor blocks were added carry no prefix and sampled the files only)."""
     import hashlib
 
     files = sorted(Path(path).glob("model*.safetensors"))
     if not files:
         return None
+    per_tensor = not like or like.startswith(_FINGERPRINT_PER_TENSOR)
     digest = hashlib.sha256()
     for file in files:
         try:
@@ -68,15 +74,38 @@ def weights_fingerprint(path) -> str | None:
                 size = os.fstat(handle.fileno()).st_size
                 digest.update(f"{file.name}\0{size}\0".encode())
                 header_length = int.from_bytes(handle.read(8), "little")
-                digest.update(handle.read(min(header_length, size)))
+                header = handle.read(min(header_length, size))
+                digest.update(header)
                 start = 8 + header_length
                 span = max(size - start - _FINGERPRINT_BLOCK, 0)
-                for sample in range(_FINGERPRINT_SAMPLES):
-                    handle.seek(start + span * sample // max(_FINGERPRINT_SAMPLES - 1, 1))
+                offsets = [start + span * sample // max(_FINGERPRINT_SAMPLES - 1, 1)
+                           for sample in range(_FINGERPRINT_SAMPLES)]
+                if per_tensor:
+                    offsets += [start + max((begin + end - _FINGERPRINT_BLOCK) // 2, begin)
+                                for begin, end in _tensor_spans(header)]
+                for offset in offsets:
+                    handle.seek(offset)
                     digest.update(handle.read(_FINGERPRINT_BLOCK))
         except OSError as err:
             raise UserError(f"cannot read {file}: {first_line(err)}") from err
-    return digest.hexdigest()[:32]
+    return (_FINGERPRINT_PER_TENSOR if per_tensor else "") + digest.hexdigest()[:32]
+
+
+def fingerprint_scheme(fingerprint: str) -> str:
+    """Which way :func:`weights_fingerprint` made ``fingerprint``: its prefix ("" for the first)."""
+    return _FINGERPRINT_PER_TENSOR if fingerprint.startswith(_FINGERPRINT_PER_TENSOR) else ""
+
+
+def _tensor_spans(header: bytes) -> list[tuple[int, int]]:
+    """The data offsets of each tensor a safetensors header lists; none from a header that does
+    not parse (the header's bytes are hashed all the same, and loading the file will say what
+    is wrong with it)."""
+    try:
+        entries = json.loads(header)
+        return sorted((int(entry["data_offsets"][0]), int(entry["data_offsets"][1]))
+                      for name, entry in entries.items() if name != "__metadata__")
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return []
 
 
 def resolve_model_path(name: str, revision: str = "") -> Path:

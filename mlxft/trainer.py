@@ -233,6 +233,14 @@ def _check_unadapted(model) -> None:
                         "an adapter): load the base again, and start from that adapter with adapter.init_adapter")
 
 
+def _fingerprint_like(current: str | None, recorded: str | None, model_path) -> str | None:
+    """``current`` (the loaded base's fingerprint), in the scheme of the ``recorded`` one: a
+    checkpoint from before the per-tensor blocks compares against the files sampled alone."""
+    if current is None or not recorded or models.fingerprint_scheme(recorded) == models.fingerprint_scheme(current):
+        return current
+    return models.weights_fingerprint(model_path, like=recorded)
+
+
 def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]  # "mlx.core.bfloat16" -> "bfloat16"
 
@@ -310,6 +318,7 @@ class Trainer:
             self.valid_file = datasets[1].path if datasets[1] is not None else None
 
         self.base_weights = None  # a model passed in is whatever the caller made it: nothing to fingerprint
+        model_path = None
         if model is None:
             with self.world.local_work():  # a download or a large model may take longer than --dist-timeout
                 model, tokenizer, model_path, _ = models.load(
@@ -363,7 +372,9 @@ class Trainer:
                                              self.train_set.kind, t.force, saved["state"].get("train_data"),
                                              self.train_set.fingerprint, saved["state"].get("compute_dtype"),
                                              _dtype_name(models.compute_dtype(model)),
-                                             saved["state"].get("base_weights"), self.base_weights)
+                                             saved["state"].get("base_weights"),
+                                             _fingerprint_like(self.base_weights, saved["state"].get("base_weights"),
+                                                               model_path))
             if saved["state"]["step"] > self.total_steps:  # it would train nothing and save over `final`
                 raise UserError(f"--resume {t.resume}: the checkpoint is at step {saved['state']['step']}, past this "
                                 f"run's {self.total_steps} steps; raise --max-steps or --epochs to train further")

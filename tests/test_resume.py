@@ -23,10 +23,11 @@ from mlx.utils import tree_flatten
 
 from mlxft import RunConfig, Trainer, adapters, checkpoint, models
 from mlxft.errors import UserError
+from mlxft.export import export
 from mlxft.step import LossScaler, gradient_tree
 from mlxft.trainer import TrainingStopped, check_output_dir
 
-from conftest import CHAT_ROWS, write_jsonl
+from conftest import CHAT_ROWS, LLAMA_CONFIG, write_jsonl, write_model
 
 
 def config(model_dir, data_dir, out, **train):
@@ -162,9 +163,48 @@ def test_resume_refuses_other_base_weights_under_the_same_model_name(llama_dir, 
     resumed.train.force = True
     assert Trainer(resumed).step_count == 2
     assert "forced: base model weights changed" in capsys.readouterr().out
-    # Loading the run's adapter on the base it recorded says so too (evaluate, generate, fuse).
+    # Loading the run's adapter on the base it recorded says so too (evaluate, generate, fuse),
+    # and so does its export for mlx-lm, the copy users share.
     adapters.load_with_adapter(None, str(out))
     assert f"warning: the weights in {model} differ from those {out} was trained on" in capsys.readouterr().err
+    exported = export(out, "mlx-lm", tmp_path / "exported")
+    adapters.load_with_adapter(None, str(exported))
+    assert f"warning: the weights in {model} differ from those {exported} was trained on" in capsys.readouterr().err
+
+
+def test_the_weights_fingerprint_tells_any_one_changed_tensor_and_reads_older_records(tmp_path):
+    # A LoRA fused into one projection of one layer and saved over the base changes that tensor
+    # alone; samples spread across the file (the first fingerprints) miss many such tensors.
+    model = write_model(tmp_path / "model", {**LLAMA_CONFIG, "num_hidden_layers": 12})
+    weights_file = model / "model.safetensors"
+    original = mx.load(str(weights_file))
+    mx.save_safetensors(str(weights_file), original)  # laid out as the changed copies below are
+    before = models.weights_fingerprint(model)
+    older = models.weights_fingerprint(model, like="0" * 32)  # the scheme of the first fingerprints
+    assert models.fingerprint_scheme(older) == "" and models.fingerprint_scheme(before) != ""
+    missed_by_the_file_samples = 0
+    for name in original:
+        mx.save_safetensors(str(weights_file), {**original, name: original[name] + 1e-3})
+        assert models.weights_fingerprint(model) != before, name
+        missed_by_the_file_samples += models.weights_fingerprint(model, like=older) == older
+    assert missed_by_the_file_samples > 10
+    mx.save_safetensors(str(weights_file), original)
+    assert models.weights_fingerprint(model) == before
+
+
+def test_a_checkpoint_with_the_first_fingerprint_resumes_on_the_same_weights(llama_dir, uninterrupted, tmp_path):
+    model, out = tmp_path / "model", tmp_path / "run"
+    shutil.copytree(llama_dir, model)
+    Trainer(config(model, uninterrupted[0], out, max_steps=2)).train()
+    state_file = out / "latest" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["base_weights"] = models.weights_fingerprint(model, like="0" * 32)
+    state_file.write_text(json.dumps(state))
+    assert Trainer(config(model, uninterrupted[0], out, resume="latest", max_steps=4)).step_count == 2
+    tensors = mx.load(str(model / "model.safetensors"))
+    mx.save_safetensors(str(model / "model.safetensors"), {name: value * 1.01 for name, value in tensors.items()})
+    with pytest.raises(UserError, match="differ from those the checkpoint was trained on"):
+        Trainer(config(model, uninterrupted[0], out, resume="latest", max_steps=4))
 
 
 def test_resume_refuses_another_quantization_group_unless_forced(tmp_path):
