@@ -24,7 +24,11 @@ from mlxft.errors import UserError
 
 _LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
 _MIXER_WORDS = ("attn", "attention", "conv", "mixer", "mamba")
-_FEED_FORWARD_WORDS = ("mlp", "feed_forward", "ffn", "moe")
+_FEED_FORWARD_WORDS = ("mlp", "feed_forward", "ffn", "moe", "experts")
+# A feed-forward's projections by name, where its block does not say (Nemotron-H calls every
+# block, Mamba, attention, MLP or experts, a ``mixer``).
+_FEED_FORWARD_LEAVES = ("up_proj", "down_proj", "gate_proj", "fc1", "fc2", "w1", "w2", "w3")
+_ATTENTION_WORDS = ("attn", "attention")
 
 
 def _expert_types() -> tuple[type, ...]:
@@ -77,11 +81,17 @@ def _check_rank(layers: list[nn.Module], targets: list[str], rank: int) -> None:
 
 
 def _is_mixer(name: str) -> bool:
-    return any(word in name.split(".")[0] for word in _MIXER_WORDS)
+    """Attention, convolution or state-space mixing: the shorthand ``attn``."""
+    return any(word in name.split(".")[0] for word in _MIXER_WORDS) and not _is_feed_forward(name)
 
 
 def _is_feed_forward(name: str) -> bool:
-    return any(word in name.split(".")[0] for word in _FEED_FORWARD_WORDS)
+    """An MLP or a mixture of experts, shared experts and router included: the shorthand ``mlp``.
+    Named so by any module on the path, or by its projection's own name outside attention."""
+    *path, leaf = name.split(".")
+    if any(word in part for part in path for word in _FEED_FORWARD_WORDS):
+        return True
+    return leaf in _FEED_FORWARD_LEAVES and not any(word in part for part in path for word in _ATTENTION_WORDS)
 
 
 def resolve_targets(targets: list[str], available: list[str]) -> list[str]:

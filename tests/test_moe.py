@@ -170,3 +170,31 @@ def test_granite_hybrid_mamba_mixers_are_default_and_attn_targets(tmp_path):
     mismatched = write_model(tmp_path / "mismatched", config | {"mamba_d_head": 16})  # mlx-lm builds it
     with pytest.raises(UserError, match="Mamba head state do not match .*; check its config.json"):
         models.load(str(mismatched), "float32")
+
+
+NEMOTRON_H = {
+    "model_type": "nemotron_h", "vocab_size": LLAMA_CONFIG["vocab_size"], "hidden_size": 64, "intermediate_size": 128,
+    "max_position_embeddings": 1024, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "attention_bias": False, "mamba_num_heads": 4, "mamba_head_dim": 32, "mamba_proj_bias": False,
+    "ssm_state_size": 8, "conv_kernel": 4, "n_groups": 1, "mlp_bias": False, "layer_norm_epsilon": 1e-5,
+    "use_bias": False, "use_conv_bias": True, "hybrid_override_pattern": ["M", "*", "-", "E"],
+    "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "n_group": 1, "n_routed_experts": 4,
+    "n_shared_experts": 1, "topk_group": 1, "num_experts_per_tok": 2, "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0, "tie_word_embeddings": False}
+
+
+def test_blocks_all_called_mixer_split_into_attn_and_mlp_by_what_they_are(tmp_path):
+    # Nemotron-H names every block's module "mixer": Mamba, attention, MLP and experts alike.
+    # By that name alone, attn took the experts and mlp selected nothing, and DoRA's refusal
+    # sent the user to --targets attn, which it refused again.
+    model = models.load(str(write_model(tmp_path / "nemotron", NEMOTRON_H)), "float32")[0]
+    available = lora.linear_names(list(model.layers))
+    attn, mlp = lora.resolve_targets(["attn"], available), lora.resolve_targets(["mlp"], available)
+    assert attn == ["mixer.in_proj", "mixer.k_proj", "mixer.o_proj", "mixer.out_proj", "mixer.q_proj", "mixer.v_proj"]
+    assert {"mixer.up_proj", "mixer.down_proj", "mixer.switch_mlp.fc1", "mixer.switch_mlp.fc2",
+            "mixer.shared_experts.up_proj", "mixer.shared_experts.down_proj"} <= set(mlp)
+    assert sorted(attn + mlp) == lora.resolve_targets(["default"], available) == available
+    dora = AdapterConfig(rank=4, finetune="dora", targets=["attn"])
+    assert lora.check(model, dora) == attn
+    with pytest.raises(UserError, match="DoRA cannot adapt a mixture of experts' stacked projections"):
+        lora.check(model, AdapterConfig(rank=4, finetune="dora", targets=["mlp"]))
