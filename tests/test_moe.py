@@ -198,3 +198,22 @@ def test_blocks_all_called_mixer_split_into_attn_and_mlp_by_what_they_are(tmp_pa
     assert lora.check(model, dora) == attn
     with pytest.raises(UserError, match="DoRA cannot adapt a mixture of experts' stacked projections"):
         lora.check(model, AdapterConfig(rank=4, finetune="dora", targets=["mlp"]))
+
+
+def test_a_peft_adapter_of_each_expert_is_refused_for_what_it_is(qwen3_moe_dir, tmp_path):
+    # transformers' Qwen3-MoE holds each expert as modules of its own, and PEFT adapts them so;
+    # the refusal had said the adapter was for another model.
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    tensors = {}
+    for layer in range(2):
+        for expert in range(4):
+            name = f"base_model.model.model.layers.{layer}.mlp.experts.{expert}.gate_proj"
+            tensors[f"{name}.lora_A.weight"] = mx.zeros((4, 64))
+            tensors[f"{name}.lora_B.weight"] = mx.zeros((32, 4))
+    mx.save_safetensors(str(peft / "adapter_model.safetensors"), tensors, metadata={"format": "pt"})
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                          "target_modules": ["gate_proj"]}))
+    with pytest.raises(UserError, match=r"adapts each expert as a module of its own \(mlp\.experts\.0\.gate_proj\).* "
+                                        r"stacks each layer's experts \(mlp\.switch_mlp\.down_proj\)"):
+        adapters.load_with_adapter(str(qwen3_moe_dir), str(peft))
