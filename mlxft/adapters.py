@@ -568,15 +568,19 @@ def set_scale(model: nn.Module, scale: float) -> None:
             module.scale = scale
 
 
-def start_from(model: nn.Module, config, path, seed: int = 0) -> list[str]:
+def start_from(model: nn.Module, config, path, seed: int = 0, base: tuple[Path, str] | None = None) -> list[str]:
     """Make ``model`` trainable as ``config`` (an AdapterConfig) asks, starting from the adapter in ``path``.
 
     For a training run that continues from an earlier adapter (mlxft, mlx-lm or PEFT): call
     instead of ``lora.apply``. The adapter must have the run's layout (fine-tune type, rank,
     targets, layers) and scale; the first difference is named. Returns the targeted modules.
+    ``base``: the loaded base's directory and name (``--model``), to warn where that name held
+    other weights when the adapter was trained.
     """
     weights, spec = load_adapter_dir(path)
     _check_family(model, spec)
+    if base is not None:
+        _warn_other_base_weights(spec, base[0], base[1])
     if spec.fine_tune_type != config.finetune:
         raise UserError(f"{spec.path}: the adapter is {spec.fine_tune_type} but the run trains {config.finetune}; "
                         f"pass --finetune {spec.fine_tune_type}")

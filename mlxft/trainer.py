@@ -403,7 +403,8 @@ class Trainer:
         if config.adapter.init_adapter and saved is None:
             from mlxft.adapters import start_from
 
-            self.targets = start_from(model, config.adapter, config.adapter.init_adapter, t.seed)
+            base = (model_path, config.model.model) if model_path is not None and self.world.is_main else None
+            self.targets = start_from(model, config.adapter, config.adapter.init_adapter, t.seed, base)
         else:
             self.targets = lora.apply(model, config.adapter, t.seed, recorded)
         if config.data.pack:

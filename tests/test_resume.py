@@ -170,6 +170,11 @@ def test_resume_refuses_other_base_weights_under_the_same_model_name(llama_dir, 
     exported = export(out, "mlx-lm", tmp_path / "exported")
     adapters.load_with_adapter(None, str(exported))
     assert f"warning: the weights in {model} differ from those {exported} was trained on" in capsys.readouterr().err
+    # A new run starting from the adapter on that base, too.
+    continued = config(model, uninterrupted[0], tmp_path / "continued", max_steps=1)
+    continued.adapter.init_adapter = str(out)
+    Trainer(continued)
+    assert f"warning: the weights in {model} differ from those {out} was trained on" in capsys.readouterr().err
 
 
 def test_the_weights_fingerprint_tells_any_one_changed_tensor_and_reads_older_records(tmp_path):
