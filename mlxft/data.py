@@ -255,8 +255,13 @@ def check_row(row: dict, where: str) -> str:
         if not isinstance(messages, list) or not messages:
             raise UserError(f"{where}: field 'messages' must be a non-empty list")
         for i, m in enumerate(messages):
+            if isinstance(m, dict) and m.get("content") is None and m.get("tool_calls"):
+                # mlx-lm's and OpenAI's tool-call turns carry no text (no 'content', or null):
+                # as the empty answer before the call that chat templates render for them.
+                m["content"] = ""
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise UserError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+                raise UserError(f"{where}: messages[{i}] must be an object with string 'role' and 'content' (a turn "
+                                "with 'tool_calls' may leave 'content' out); give each message both")
             _need_all_text(m, f"messages[{i}]", where)  # tool calls and the like reach the template too
             role = m["role"]
             if role != role.strip().lower() and role.strip().lower() in _COMMON_ROLES:  # "Assistant" is not supervised

@@ -376,6 +376,27 @@ def test_tool_calls_of_earlier_turns_are_supervised(tokenizer, content, first):
     assert spans == [first, "It is sunny.<|im_end|>\n"]
 
 
+def test_a_tool_call_turn_without_content_loads_as_mlx_lm_writes_it(tokenizer, tmp_path):
+    # mlx-lm's LORA.md gives tool-call turns no 'content' (OpenAI's API writes null): refused, as
+    # a malformed message, until they were read as the empty answer before the call.
+    rows = [{"messages": [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", **content,
+                                                                            "tool_calls": TOOL_CALL}],
+             "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}
+            for content in ({}, {"content": None}, {"content": ""})]
+    path = write_jsonl(tmp_path / "tools.jsonl", rows)
+    check_file(path)
+    examples = load_dataset(path, tokenizer, 256).examples
+    assert len(examples) == 3 and all(np.array_equal(e.ids, examples[2].ids) for e in examples)
+    assert all(np.array_equal(e.mask, examples[2].mask) for e in examples)
+    # The last turn: Qwen3's template writes its empty reasoning block before the call.
+    assert supervised_spans(tokenizer, examples[0].ids, examples[0].mask) == ["<think>\n\n</think>\n\n" + TOOL_CALL_TEXT]
+    without_call = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "Hi"},
+                                                                      {"role": "assistant"}]}])
+    with pytest.raises(UserError, match=r"bad.jsonl line 1: messages\[1\] must be an object with string 'role' and "
+                                        r"'content' \(a turn with 'tool_calls' may leave 'content' out\)"):
+        check_file(without_call)
+
+
 def supervised_spans(tokenizer, ids, mask):
     return [tokenizer.decode([i for i, _ in group])
             for flag, group in itertools.groupby(zip(ids, mask), key=lambda pair: pair[1]) if flag]
