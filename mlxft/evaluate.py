@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Token-weighted loss and perplexity of a base model, with an optional adapter, on a JSONL set.")
     add_model_arguments(parser, dtype_of_run=True)
     parser.add_argument("--data", required=True,
-                        help="a JSONL file, or a directory holding test.jsonl (else valid.jsonl)")
+                        help="a JSONL file, a directory holding test.jsonl (else valid.jsonl), or builtin:capitals")
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size,
                         help=f"rows per forward pass (default {TrainConfig.batch_size})")
     # These three default to what an mlxft run recorded, so its adapter is scored on rows
@@ -58,8 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def data_file(data: str) -> Path:
-    """``data`` itself, or the test.jsonl (else valid.jsonl) of a directory."""
-    path = Path(data).expanduser()
+    """``data`` itself, or the test.jsonl (else valid.jsonl) of a directory (a built-in task's,
+    ``builtin:capitals``, as a run's config records it)."""
+    from mlxft import builtin
+
+    path = Path(builtin.resolve(data)).expanduser()
     if path.is_dir():
         for name in ("test.jsonl", "valid.jsonl"):
             if (path / name).is_file():

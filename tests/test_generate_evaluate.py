@@ -465,3 +465,14 @@ def test_a_wrapped_models_context_is_read_from_its_text_model(tmp_path, capsys):
                                               "vocab_size": text["vocab_size"], "vision_config": {}})
     assert generate_main(["--model", str(model), "--prompt", "hello " * 1100, "--max-tokens", "1"]) == 0
     assert "pass the model's context of 1024 tokens" in capsys.readouterr().err
+
+
+def test_evaluate_takes_the_built_in_task_a_run_records(tmp_path, monkeypatch):
+    # The default job's config records data: builtin:capitals; evaluate took it for a missing path.
+    from mlxft import builtin
+    from mlxft.evaluate import data_file
+
+    monkeypatch.setenv("MLXFT_CACHE", str(tmp_path / "cache"))
+    assert data_file(builtin.DATA_NAME) == tmp_path / "cache" / "data" / "capitals" / "valid.jsonl"
+    with pytest.raises(UserError, match="unknown built-in 'builtin:other'"):
+        data_file("builtin:other")
