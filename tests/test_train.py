@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -644,3 +645,16 @@ def test_a_relative_data_path_is_recorded_absolute_in_the_training_state(llama_d
                  "--no-memory-estimate", "--exact-match-rows", "0"]) == 0
     state = json.loads((out / "training_state.json").read_text())
     assert state["dataset"] == str(chat_data / "train.jsonl")  # it had been "data/train.jsonl", as typed
+
+
+def test_the_python_example_trains_and_a_second_run_is_a_one_line_refusal(llama_dir, chat_data, tmp_path):
+    script = Path(__file__).parent.parent / "examples" / "train_from_python.py"
+    out = tmp_path / "run"
+    first = subprocess.run([sys.executable, str(script), str(llama_dir), str(chat_data), str(out)],
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0 and "trained 3 steps" in first.stdout, first.stderr
+    assert (out / "adapters.safetensors").is_file()
+    again = subprocess.run([sys.executable, str(script), str(llama_dir), str(chat_data), str(out)],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and again.stderr.startswith("error: output directory")
+    assert len(again.stderr.strip().splitlines()) == 1 and "Traceback" not in again.stderr
