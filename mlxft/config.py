@@ -315,10 +315,37 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
     return value
 
 
+# mlx_lm.lora's flat config keys, and the mlxft fields that say the same.
+_MLX_LM_KEYS = {
+    "iters": "train.max_steps", "fine_tune_type": "adapter.finetune", "lora_parameters": "adapter.rank/alpha/dropout",
+    "num_layers": "adapter.num_layers", "learning_rate": "optim.learning_rate", "batch_size": "train.batch_size",
+    "adapter_path": "train.output_dir", "max_seq_length": "data.max_seq_length", "steps_per_eval": "train.eval_every",
+    "steps_per_report": "train.log_every", "save_every": "train.save_every", "val_batches": "train.max_eval_batches",
+    "mask_prompt": "data.completion_only", "grad_checkpoint": "model.grad_checkpoint", "seed": "train.seed",
+    "resume_adapter_file": "train.resume",
+}
+
+
+def _mlx_lm_layout(data: dict) -> str | None:
+    """The first sign that ``data`` is an mlx_lm.lora config (flat keys, ``model: path``,
+    ``train: true``), described with the mlxft field it maps to; None if there is none."""
+    for key in data:
+        if key in _MLX_LM_KEYS:
+            return f"'{key}' is {_MLX_LM_KEYS[key]}"
+    for key in ("model", "data", "train", "test"):
+        if key in data and isinstance(data[key], (str, bool, int, float)):
+            return f"'{key}: {data[key]}' is a flat key"
+    return None
+
+
 def apply_overrides(config: RunConfig, data: dict, source: str) -> None:
     """Set values from a nested mapping, validating every key and type."""
     if not isinstance(data, dict):
         raise UserError(f"{source}: expected a mapping of sections ({', '.join(SECTIONS)})")
+    mlx_lm = _mlx_lm_layout(data)
+    if mlx_lm:
+        raise UserError(f"{source} looks like an mlx_lm.lora config ({mlx_lm}); mlxft's config puts each field "
+                        f"in a section ({', '.join(SECTIONS)}), as in examples/lora_chat.yaml and each run's config.yaml")
     for section, values in data.items():
         if section not in SECTIONS:
             raise UserError(f"{source}: unknown section '{section}' (known: {', '.join(SECTIONS)})")

@@ -154,6 +154,12 @@ def test_config_layers_and_errors(tmp_path):
         ("train:\n  batch_size: two\n", "train.batch_size: expected an integer"),
         ("optim:\n  optimizer: lion\n", "'lion' is not one of"),
         ("train:\n  epochs: 1\n bad: [1\n", r"run.yaml line \d+: invalid YAML"),
+        # mlx_lm.lora's flat layout, said to be so rather than a field at a time.
+        ('model: "m"\ntrain: true\niters: 4\n', r"run.yaml looks like an mlx_lm.lora config \('iters' is "
+                                                 r"train.max_steps\); mlxft's config puts each field in a section"),
+        ("model:\n  model: m\nlora_parameters:\n  rank: 8\n", r"\('lora_parameters' is adapter.rank/alpha/dropout\)"),
+        ('model: "m"\n', r"looks like an mlx_lm.lora config \('model: m' is a flat key\)"),
+        ("data: [4]\n", "section 'data' must be a mapping of fields"),
     ]:
         path.write_text(text)
         with pytest.raises(UserError, match=message):
