@@ -24,7 +24,7 @@ from mlxft.errors import UserError
 
 _LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
 _MIXER_WORDS = ("attn", "attention", "conv", "mixer", "mamba")
-_FEED_FORWARD_WORDS = ("mlp", "feed_forward", "ffn", "moe", "experts")
+_FEED_FORWARD_WORDS = ("mlp", "feed_forward", "ffn", "moe")
 # A feed-forward's projections by name, where its block does not say (Nemotron-H calls every
 # block, Mamba, attention, MLP or experts, a ``mixer``).
 _FEED_FORWARD_LEAVES = ("up_proj", "down_proj", "gate_proj", "fc1", "fc2", "w1", "w2", "w3")
@@ -87,7 +87,8 @@ def _is_mixer(name: str) -> bool:
 
 def _is_feed_forward(name: str) -> bool:
     """An MLP or a mixture of experts, shared experts and router included: the shorthand ``mlp``.
-    Named so by any module on the path, or by its projection's own name outside attention."""
+    Named so by any module on the path (``switch_mlp``), or by its projection's own name
+    outside attention (``shared_experts.up_proj``)."""
     *path, leaf = name.split(".")
     if any(word in part for part in path for word in _FEED_FORWARD_WORDS):
         return True
@@ -101,8 +102,10 @@ def resolve_targets(targets: list[str], available: list[str]) -> list[str]:
         if target == "all":
             chosen.update(available)
         elif target == "default":
-            familiar = {n for n in available if _is_mixer(n) or _is_feed_forward(n)}
-            chosen.update(familiar or available)  # an unfamiliar layout: every linear layer, whatever else is named
+            # By the block's name alone, as before attn and mlp looked further: default stays what
+            # it was, and an unfamiliar layout gets every linear layer, whatever its leaves are named.
+            familiar = {n for n in available if any(word in n.split(".")[0] for word in _MIXER_WORDS + _FEED_FORWARD_WORDS)}
+            chosen.update(familiar or available)
         elif target == "attn":
             chosen.update(n for n in available if _is_mixer(n))
         elif target == "mlp":
