@@ -13,6 +13,7 @@ from mlxft.data import Example, make_batch
 from mlxft.errors import UserError
 from mlxft import loss as loss_module
 from mlxft.loss import cross_entropy, hidden_loss, loss_fn, token_cross_entropy
+from conftest import VOCAB
 
 
 def brute_force(logits, targets, weights, smoothing):
@@ -244,6 +245,33 @@ def test_head_gradient_in_the_forward_pass_equals_the_backward_passes(model_dir,
 
     # Scaled per token before or after the head's matmul: float32 rounding apart.
     assert_same_loss_and_gradients(loss_and_grads(True), loss_and_grads(False), spread=1e-4)
+
+
+def test_a_large_vocabularys_default_head_chunk_is_floored_and_its_chunks_add_up(model_dir, monkeypatch):
+    """Qwen3's 151,936-row head on the CPU: the default chunk (8M logits over the vocabulary)
+    rounds below 64 tokens and is floored there, and the chunks, the last one short, give the
+    plain loss's loss and gradients. The test models' 8,256-row head takes any test batch in
+    one chunk, so the logit budget is scaled down to give Qwen3's chunk."""
+    monkeypatch.setattr(loss_module, "_head_chunk_logits", lambda: 2**23 * VOCAB // 151936)
+    chunks = []
+    scored = loss_module.loss_and_logit_gradient
+    monkeypatch.setattr(loss_module, "loss_and_logit_gradient",
+                        lambda scores, logits, *rest: chunks.append(logits.shape[0]) or scored(scores, logits, *rest))
+    model, *_ = models.load(str(model_dir), "float32")
+    lora.apply(model, AdapterConfig(rank=4), seed=0)
+    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters()))
+    batch = make_batch([row for seed in range(5) for row in _rows(seed)], 15, 6).arrays()  # 144 positions
+    count = batch[1].shape[0]
+    assert count > 2 * 64 and count % 64
+
+    def loss_and_grads(training):
+        grad_fn = nn.value_and_grad(model, lambda m, *a: loss_fn(m, *a, training=training)[0])
+        loss, grads = grad_fn(model, *batch)
+        return loss.item(), dict(tree_flatten(grads))
+
+    trained = loss_and_grads(True)
+    assert chunks == [64] * (count // 64) + [count % 64]
+    assert_same_loss_and_gradients(trained, loss_and_grads(False), spread=1e-4)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
