@@ -335,6 +335,24 @@ def test_a_trained_head_keeps_the_backward_pass(model_dir):
     assert loss_module.frozen_head(model) is None
 
 
+@pytest.mark.parametrize("finetune, path", [("lora", "head_cross_entropy"), ("full", "chunked_cross_entropy")])
+def test_loss_chunk_takes_the_head_gradient_in_the_forward_pass_unless_the_head_trains(model_dir, monkeypatch,
+                                                                                      finetune, path):
+    """With --loss-chunk, a frozen head's training loss still computes its input gradient in the
+    forward pass; only a trained head takes the recomputed chunks (the same loss and gradients
+    either way, so only which path ran tells them apart)."""
+    model, *_ = models.load(str(model_dir), "float32")
+    lora.apply(model, AdapterConfig(rank=4, finetune=finetune), seed=0)
+    taken = []
+    for name in ("head_cross_entropy", "chunked_cross_entropy"):
+        original = getattr(loss_module, name)
+        monkeypatch.setattr(loss_module, name, lambda *a, _name=name, _f=original, **k: taken.append(_name) or _f(*a, **k))
+    hidden = mx.random.normal((40, model.args.hidden_size), key=mx.random.key(0))
+    targets = mx.random.randint(0, model.args.vocab_size, (40,), key=mx.random.key(1))
+    hidden_loss(model, hidden, targets, mx.ones((40,)), chunk=16, training=True)
+    assert taken == [path]
+
+
 def test_head_gradient_in_the_forward_pass_keeps_no_logits(llama_dir):
     """Compiled and paced (see mlxft.memory.pacing_limit), the training loss's gradient holds a
     chunk's logits and their exponentials and gradient at a time (an eighth of the logits'
