@@ -490,15 +490,16 @@ def _check_targets(model: nn.Module, spec: AdapterSpec, num_layers: int) -> None
     layers = lora.selected_layers(model, num_layers)
     available = lora.linear_names(layers)
     missing = [t for t in spec.targets if t not in available]
-    stacked = sorted({name for layer in layers for name, module in layer.named_modules() if lora.is_experts(module)})
+    if not missing:
+        return
     per_expert = [t for t in missing if re.search(r"(^|\.)experts\.\d+\.", t)]
+    stacked = sorted({name for layer in layers for name, module in layer.named_modules() if lora.is_experts(module)})
     if per_expert and stacked:
         raise UserError(f"{spec.path}: the adapter adapts each expert as a module of its own ({per_expert[0]}), as PEFT "
                         f"does on a transformers model, but mlx-lm stacks each layer's experts ({stacked[0]}) and such "
                         "adapters do not load onto them; merge it into the model with PEFT and use the merged model")
-    if missing:
-        raise UserError(f"{spec.path}: the adapter targets {missing[0]}, which the base's layers do not have "
-                        f"(they have {', '.join(available)}); the adapter is for another model")
+    raise UserError(f"{spec.path}: the adapter targets {missing[0]}, which the base's layers do not have "
+                    f"(they have {', '.join(available)}); the adapter is for another model")
 
 
 def attach(model: nn.Module, spec: AdapterSpec, weights: dict[str, mx.array]) -> nn.Module:
