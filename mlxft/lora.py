@@ -80,9 +80,14 @@ def _check_rank(layers: list[nn.Module], targets: list[str], rank: int) -> None:
                         f"({name}: {in_dims} -> {out_dims}), where no layer gains from it; use --rank {width} or less")
 
 
+def _block_says(name: str, words: tuple[str, ...]) -> bool:
+    """Whether the module's block (its name's first word) contains one of ``words``."""
+    return any(word in name.split(".")[0] for word in words)
+
+
 def _is_mixer(name: str) -> bool:
     """Attention, convolution or state-space mixing: the shorthand ``attn``."""
-    return any(word in name.split(".")[0] for word in _MIXER_WORDS) and not _is_feed_forward(name)
+    return _block_says(name, _MIXER_WORDS) and not _is_feed_forward(name)
 
 
 def _is_feed_forward(name: str) -> bool:
@@ -104,7 +109,7 @@ def resolve_targets(targets: list[str], available: list[str]) -> list[str]:
         elif target == "default":
             # By the block's name alone, as before attn and mlp looked further: default stays what
             # it was, and an unfamiliar layout gets every linear layer, whatever its leaves are named.
-            familiar = {n for n in available if any(word in n.split(".")[0] for word in _MIXER_WORDS + _FEED_FORWARD_WORDS)}
+            familiar = {n for n in available if _block_says(n, _MIXER_WORDS + _FEED_FORWARD_WORDS)}
             chosen.update(familiar or available)
         elif target == "attn":
             chosen.update(n for n in available if _is_mixer(n))
