@@ -75,10 +75,14 @@ class World:
 
     def any(self, flag: bool) -> bool:
         """True on every rank when it is True on any rank (e.g. a stop request)."""
+        return self.any_each(flag)[0]
+
+    def any_each(self, *flags: bool) -> tuple[bool, ...]:
+        """:meth:`any` of each flag, in one collective."""
         if self.size == 1:
-            return flag
-        total = mx.distributed.all_sum(mx.array(1.0 if flag else 0.0), group=self.group)
-        return bool(total.item() > 0)
+            return tuple(bool(flag) for flag in flags)
+        totals = mx.distributed.all_sum(mx.array([1.0 if flag else 0.0 for flag in flags]), group=self.group)
+        return tuple(total > 0 for total in totals.tolist())
 
     def main_rank_work(self, work: Callable[[Callable[[], None]], T]) -> T | None:
         """Run ``work(progress)`` on rank 0 while the other ranks wait for it (saving).
@@ -156,7 +160,8 @@ _WATCHDOG = r"""
 import os, select, signal, sys
 # Ctrl-C or a closed terminal signals the whole process group: the rank stops with a checkpoint,
 # still guarded (a peer lost meanwhile), and this process ends when the rank closes the pipe.
-for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+# SIGUSR1 sent to the group asks the rank for a checkpoint, and would otherwise end this process.
+for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1"):
     signal.signal(getattr(signal, name), signal.SIG_IGN)
 fd, timeout, parent = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 messages = {b"i": sys.argv[4], b"p": sys.argv[5]}

@@ -1,5 +1,6 @@
 """Stop requests from SIGINT / SIGTERM / SIGHUP: the first asks the loop to save and stop at
-the next micro-batch boundary; a second one exits at once."""
+the next micro-batch boundary; a second one exits at once. Save requests from SIGUSR1: a
+checkpoint after the current optimizer step, and training goes on."""
 
 from __future__ import annotations
 
@@ -21,6 +22,22 @@ def _say(line: str) -> None:
         pass
 
 
+# Asks a training run for a checkpoint now (``kill -USR1 <pid>``); None where the system has none.
+SAVE_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+
+def _nothing_to_save(signum=None, frame=None) -> None:
+    _say("SIGUSR1: no training steps are running now, so there is nothing to save")
+
+
+def hold_save_requests() -> None:
+    """Keep SIGUSR1 from ending the process (its default) outside a training loop: a command
+    line entry point calls this first, so a save request sent while the model loads is only
+    answered, not fatal. Main thread only; a loop's :class:`StopRequests` takes it over."""
+    if SAVE_SIGNAL is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(SAVE_SIGNAL, _nothing_to_save)
+
+
 class StopRequests:
     """Installs handlers for the lifetime of a ``with`` block (main thread only)."""
 
@@ -32,6 +49,34 @@ class StopRequests:
         self._reason = ""
         self._previous: dict[int, object] = {}
         self._interrupt = False
+        self.save_requested = False
+        self._taking_saves = False
+
+    @property
+    def handles_signals(self) -> bool:
+        """Whether this ``with`` block installed the handlers (only the main thread can)."""
+        return bool(self._previous)
+
+    def request_save(self) -> None:
+        """Ask the loop for a checkpoint after the current optimizer step, as SIGUSR1 does."""
+        self.save_requested = True
+
+    def _handle_save(self, signum, frame) -> None:
+        if not self._taking_saves:
+            _nothing_to_save()
+            return
+        self.save_requested = True
+        _say("SIGUSR1: saving a checkpoint after the current step; training goes on")
+
+    @contextmanager
+    def taking_saves(self):
+        """The block in which a save request is carried out (the training loop); a request
+        arriving elsewhere is answered, not kept for later."""
+        self._taking_saves = True
+        try:
+            yield
+        finally:
+            self._taking_saves, self.save_requested = False, False
 
     @property
     def requested(self) -> bool:
@@ -77,6 +122,8 @@ class StopRequests:
                 if sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) == signal.SIG_IGN:
                     continue  # started under nohup: the user asked for the run to outlive the terminal
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if SAVE_SIGNAL is not None:
+                self._previous[SAVE_SIGNAL] = signal.signal(SAVE_SIGNAL, self._handle_save)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from mlxft import config as cfg  # the package import preloads an optimized BLAS before MLX is imported
+from mlxft import signals
 from mlxft.errors import CliParser, UserError, print_error, run_cli
 
 
@@ -28,6 +29,7 @@ DEFAULT_JOB = Path(__file__).with_name("default_job.yaml")
 
 @run_cli
 def main(argv: list[str] | None = None) -> int:
+    signals.hold_save_requests()  # SIGUSR1 while the model loads: answered, not fatal
     args = parser().parse_args(argv)
     # Before the distributed world exists, mlx.launch's rank variable tells: only rank 0 prints.
     say = print if os.environ.get("MLX_RANK", "0") in ("", "0") else (lambda *a, **k: None)

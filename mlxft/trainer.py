@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 from mlxft import (_blas, _gpu, builtin, checkpoint, data, distributed, fastmath, generation, lora, memory, models,
-                   normed, packing, runlock)
+                   normed, packing, runlock, signals)
 from mlxft.config import WHOLE_LAYERS, RunConfig, inert_settings, validate
 from mlxft.errors import UserError, first_line, print_error
 from mlxft.gguf import check_output_apart
@@ -432,6 +432,7 @@ class Trainer:
         self.exact_match_baseline = False  # whether this run's metrics.jsonl holds its before-training exact-match
         self.finished = False  # every step trained and validated, no stop: what `final` and the run files say
         self.stop = StopRequests()
+        self.saved_step: int | None = None  # the step of this process's last checkpoint
         # Marks this run's checkpoints, so pruning never deletes another run's (or a user's) directories.
         self.run_id = uuid.uuid4().hex
         self.tokenizer_saved = False
@@ -686,14 +687,20 @@ class Trainer:
             self.exact_match_baseline = True
         self.reporter.start_clock()  # the first logged window times training, not what came before it
         self._compile_first_step()
-        with self.stop:
+        with self.stop, self.stop.taking_saves():
+            self._say_how_to_save()
             while self.step_count < self.total_steps:
                 batches = data.epoch_batches(self.train_set.lengths, t.batch_size, t.seed, self.epoch)
                 while self.batch_index < len(batches) and self.step_count < self.total_steps:
                     # Every rank stops at the same micro-batch. With several ranks only between
                     # windows: an open window holds each rank's own partial gradients.
                     at_boundary = self.window is None or self.world.size == 1
-                    if at_boundary and self.world.any(self.stop.requested):
+                    stop, save = self.world.any_each(
+                        self.stop.requested, self.stop.save_requested and self._between_steps()) if at_boundary \
+                        else (False, False)
+                    if save and not stop:  # a stop saves anyway
+                        self._save_on_request()
+                    if stop:
                         self._drain()
                         if self.reporter.unlogged_steps and self.last_done is not None:
                             # The resumed run starts after them: their window is logged now or never.
@@ -733,6 +740,32 @@ class Trainer:
                 self._show_answers(before, after)
                 result.exact_match_before = before[0]
         return result
+
+    def _between_steps(self) -> bool:
+        """Whether the next micro-batch opens an optimizer step after at least one has run: where
+        a requested checkpoint is taken, so it holds whole steps and no partial window."""
+        return self.window is None and self.step_count > 0
+
+    def _say_how_to_save(self) -> None:
+        if signals.SAVE_SIGNAL is not None and self.stop.handles_signals and self.world.is_main:
+            self.reporter.info(f"pid {os.getpid()}: kill -USR1 {os.getpid()} saves a checkpoint after the current "
+                               "step and trains on; Ctrl-C saves one and stops")
+
+    def _save_on_request(self) -> None:
+        """A checkpoint asked for by SIGUSR1 (or :meth:`request_checkpoint`), after the step just run."""
+        self.stop.save_requested = False
+        self._drain()
+        if self.saved_step == self.step_count:  # the queued step's own save_every, or a request just before
+            self.reporter.info(f"checkpoint at step {self.step_count} is saved already")
+            return
+        tic = time.perf_counter()
+        self.save_checkpoint("step", run_files=True)
+        self.reporter.pause_clock(time.perf_counter() - tic)
+
+    def request_checkpoint(self) -> None:
+        """Ask a training run (from another thread, or a callback) for a checkpoint after the
+        current optimizer step, as ``kill -USR1`` does; training goes on."""
+        self.stop.request_save()
 
     def _output_lost(self, err: BaseException) -> None:
         """The progress stream went away (``| head``, a closed terminal): stop at the next
@@ -1069,6 +1102,7 @@ class Trainer:
         step checkpoint is followed by pruning the older ones. A peer lost during the save is
         reported (raised) once rank 0 has finished writing."""
         name = checkpoint.checkpoint_name(self.step_count, kind)
+        self.saved_step = self.step_count
 
         def write(progress):
             moments = dict(tree_flatten(optimizer_state(self.optimizer, self.layout)))

@@ -136,6 +136,24 @@ def test_interrupted_distributed_run_resumes_exactly(llama_dir, uneven_data, tmp
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
+def test_a_save_request_to_one_rank_saves_on_all_and_training_goes_on(llama_dir, uneven_data, tmp_path):
+    out = tmp_path / "run"
+
+    def request_on_rank_1(procs):
+        for line in procs[0].stdout:
+            if "step 1/" in line:
+                procs[1].send_signal(signal.SIGUSR1)  # rank 0 holds the save and must hear of it
+                break
+
+    results = launch(tmp_path, train_args(llama_dir, uneven_data, out, "--epochs", 4, "--grad-accum-steps", 2),
+                     on_line=request_on_rank_1)
+    assert [r[0] for r in results] == [0, 0], [r[2][-500:] for r in results]
+    assert "saving a checkpoint after the current step" in results[1][2]
+    (requested,) = out.glob("checkpoint-*")
+    step = json.loads((requested / "trainer_state.json").read_text())["step"]
+    assert 1 <= step < 8 and not (requested / "window.safetensors").exists()
+
+
 def test_a_one_process_checkpoint_inside_a_window_resumes_on_two_ranks(llama_dir, uneven_data, tmp_path):
     """Only a one-process run stops inside an accumulation window. Resumed on two ranks, each
     restored the window and the step summed both: the micro-batches before the stop counted twice."""

@@ -105,6 +105,53 @@ def test_interrupt_and_resume_equals_uninterrupted(llama_dir, uninterrupted, tmp
         np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+def request_checkpoint_after(trainer, micro_batches):
+    original, count = trainer._micro_step, [0]
+
+    def counting(batches):
+        original(batches)
+        count[0] += 1
+        if count[0] in micro_batches:
+            trainer.request_checkpoint()  # as `kill -USR1` does
+
+    trainer._micro_step = counting
+
+
+def test_a_requested_checkpoint_holds_whole_steps_and_training_goes_on(llama_dir, uninterrupted, tmp_path):
+    data, expected, expected_steps = uninterrupted
+    out = tmp_path / "run"
+    first = Trainer(config(llama_dir, data, out, save_every=0))
+    # After micro-batch 1 the first window is open: the checkpoint waits for step 1 to end.
+    # After micro-batch 4 step 2 has just ended.
+    request_checkpoint_after(first, {1, 4})
+    first.train()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    for step in (1, 2):
+        saved = out / f"checkpoint-{step}"
+        assert json.loads((saved / "trainer_state.json").read_text())["step"] == step
+        assert not (saved / "window.safetensors").exists()
+    for name, value in weights(first.model).items():  # saving on the way changed nothing
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+    resumed = Trainer(config(llama_dir, data, out, save_every=0, resume=str(out / "checkpoint-1")))
+    resumed.train()
+    assert resumed.optimizer.state["step"].item() == expected_steps
+    for name, value in weights(resumed.model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_a_requested_checkpoint_already_saved_is_not_saved_twice(llama_dir, uninterrupted, tmp_path, capsys):
+    out = tmp_path / "run"
+    trainer = Trainer(config(llama_dir, uninterrupted[0], out, save_every=1, max_steps=2))
+    request_checkpoint_after(trainer, {2})  # step 1 ends here, and save_every saves it
+    saves = []
+    original = trainer.save_checkpoint
+    trainer.save_checkpoint = lambda kind, **kw: saves.append((kind, trainer.step_count)) or original(kind, **kw)
+    trainer.train()
+    assert saves == [("step", 1), ("final", 2)]
+    assert "checkpoint at step 1 is saved already" in capsys.readouterr().out
+
+
 def test_a_stop_logs_the_steps_since_the_last_record(llama_dir, uninterrupted, tmp_path):
     # With --log-every 2 a stop after step 3 dropped step 3's record: the resumed run starts
     # after it, and its step-4 record held step 4 alone.
@@ -723,9 +770,10 @@ def long_run_args(llama_dir, data, out):
 
 
 def wait_for(proc, text, timeout=120):
+    """Read the run's output up to a line that starts with ``text`` (the pid line mentions checkpoints)."""
     deadline = time.time() + timeout
     for line in proc.stdout:
-        if text in line:
+        if line.startswith(text):
             return
         if time.time() > deadline:
             break
@@ -749,6 +797,24 @@ def test_sigterm_saves_an_emergency_checkpoint_and_resume_finishes(llama_dir, un
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {latest}" in resumed.stdout
     assert json.loads((out / "training_state.json").read_text())["step"] == state["step"] + 2
+
+
+def test_sigusr1_saves_a_checkpoint_and_the_run_trains_on(llama_dir, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    proc = cli(*long_run_args(llama_dir, uninterrupted[0], out), "--save-every", 1000)
+    pid_line = next(line for line in proc.stdout if line.startswith("pid "))
+    assert f"kill -USR1 {proc.pid} saves a checkpoint" in pid_line
+    wait_for(proc, "step 2/")
+    proc.send_signal(signal.SIGUSR1)
+    wait_for(proc, "checkpoint ")
+    wait_for(proc, "step 5/")  # still training
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGUSR1: saving a checkpoint after the current step; training goes on" in err
+    (requested,) = [p for p in out.glob("checkpoint-*") if not p.name.endswith("-emergency")]
+    assert json.loads((requested / "trainer_state.json").read_text())["step"] >= 2
+    assert (out / "adapters.safetensors").exists()  # the run directory's own files, as a periodic save writes
 
 
 @pytest.mark.parametrize("cause", ["SIGHUP", "closed stdout"])
@@ -812,6 +878,17 @@ def test_a_run_started_under_nohup_outlives_the_terminal():
             "    os.kill(os.getpid(), signal.SIGHUP)\n    time.sleep(0.2)\n    print(stop.requested)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout == "False\n", proc.stderr
+
+
+def test_sigusr1_outside_a_training_loop_is_answered_not_fatal():
+    # SIGUSR1's default action ends the process: sent while the model loads, it killed the run.
+    code = ("import os, signal, time\nfrom mlxft import signals\nsignals.hold_save_requests()\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\ntime.sleep(0.2)\n"
+            "with signals.StopRequests() as stop:\n"  # a stop block outside the loop: answered, not kept
+            "    os.kill(os.getpid(), signal.SIGUSR1)\n    time.sleep(0.2)\n    print(stop.save_requested)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "False\n", proc.stderr
+    assert proc.stderr.count("nothing to save") == 2, proc.stderr
 
 
 def test_a_request_from_code_does_not_make_the_first_signal_a_second():
