@@ -766,14 +766,9 @@ def load_with_adapter(model: str | None, adapter: str | None, dtype: str | None 
     name = base_model_name(model, spec)
     quantized = base_quantization(spec) or {"bits": 0, "group_size": 64, "dtype": dtype}
     quantize, group_size, run_dtype = quantized["bits"], quantized["group_size"], quantized["dtype"]
-    try:
-        base, tokenizer, path, config = load_base(name, dtype, quantize, group_size, spec.path if spec else None,
-                                                  quantize_dtype=run_dtype,
-                                                  revision=base_revision(model, revision, spec))
-    except UserError as err:
-        if model or spec is None:
-            raise
-        raise UserError(f"{err} (the base recorded in {spec.path}; pass --model to use another)") from err
+    base, tokenizer, path, config = load_base(name, dtype, quantize, group_size, spec.path if spec else None,
+                                              quantize_dtype=run_dtype, revision=base_revision(model, revision, spec),
+                                              recorded_in=None if model or spec is None else spec.path)
     if spec is not None:
         _warn_other_base_weights(spec, path, model)
         attach(base, spec, weights)
@@ -793,7 +788,7 @@ def _warn_other_base_weights(spec: AdapterSpec, path: Path, model: str | None) -
 
 
 def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, tokenizer_dir: Path | None = None,
-              quantize_dtype: str | None = None, revision: str = ""):
+              quantize_dtype: str | None = None, revision: str = "", recorded_in: Path | None = None):
     """``models.load`` for a model an adapter goes on: ``(model, tokenizer, path, config)``.
 
     The tokenizer is the one ``tokenizer_dir`` (a run directory) saved when it holds one: the
@@ -801,17 +796,24 @@ def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int
     only one of the two saves a second). ``quantize`` (the run's QLoRA setting) applies only
     to a base that is not quantized already, and quantizes it in ``quantize_dtype`` (the run's
     dtype; training cast before quantizing), so a run trained in bfloat16 and fused in float32
-    gets the quantized weights it was trained on.
+    gets the quantized weights it was trained on. ``recorded_in``: the run or adapter directory
+    that named this base, which an error finding or reading the base then points to (and not
+    an error the base is no cause of, such as a dtype refused for it).
     """
     from mlx_lm.utils import load_model, quantize_model
 
-    path = models.resolve_model_path(name, revision)
     try:
-        model, config = load_model(path)
-        tokenizer = run_tokenizer(Path(tokenizer_dir), config) if tokenizer_dir else None
-        tokenizer = tokenizer or models.load_tokenizer(path, config)
-    except models.LOAD_ERRORS as err:
-        raise models.load_error(path, err) from err
+        path = models.resolve_model_path(name, revision)
+        try:
+            model, config = load_model(path)
+            tokenizer = run_tokenizer(Path(tokenizer_dir), config) if tokenizer_dir else None
+            tokenizer = tokenizer or models.load_tokenizer(path, config)
+        except models.LOAD_ERRORS as err:
+            raise models.load_error(path, err) from err
+    except UserError as err:
+        if recorded_in is None:
+            raise
+        raise UserError(f"{err} (the base recorded in {recorded_in}; pass --model to use another)") from err
     if quantize and not models.is_quantized(model):
         model.set_dtype(models.resolve_dtype(quantize_dtype or dtype))
         model, config = quantize_model(model, config, group_size, quantize)

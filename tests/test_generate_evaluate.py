@@ -413,6 +413,24 @@ def test_a_base_with_a_damaged_config_is_a_one_line_error(llama_dir, tmp_path, c
         assert f"cannot load model from {base}" in err and "Traceback" not in err
 
 
+def test_only_a_fault_of_the_recorded_base_points_to_it(llama_dir, runs_root, monkeypatch):
+    from mlxft import models
+
+    run = trained_run(runs_root, llama_dir)
+    with pytest.raises(UserError, match=r"cannot load model .*\(the base recorded in .*; pass --model to use another\)"):
+        with monkeypatch.context() as patch:  # the recorded base is gone or damaged
+            patch.setattr("mlx_lm.utils.load_model", lambda path: (_ for _ in ()).throw(ValueError("damaged")))
+            adapters.load_with_adapter(None, str(run))
+
+    def refuse_dtype(model, dtype):
+        raise UserError("this dtype is refused here")
+
+    monkeypatch.setattr(models, "finish_loading", refuse_dtype)  # the base is no cause of it
+    with pytest.raises(UserError) as refused:
+        adapters.load_with_adapter(None, str(run))
+    assert str(refused.value) == "this dtype is refused here"
+
+
 def test_training_and_evaluation_report_one_perplexity(tmp_path):
     # The trainer's records capped the exponent at 50, evaluate at 700: past a loss of 50 the
     # logged perplexity was off by orders of magnitude.
