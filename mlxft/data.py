@@ -747,6 +747,25 @@ def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, 
     return kind, ids, mask
 
 
+def check_token_ids(dataset: Dataset, vocab_size: int | None, name: str = "") -> None:
+    """Refuse token ids the model's embedding does not have: MLX does not check an index, so
+    they would train on whatever memory lies past the table. From a file they come from a
+    tokenizer with more tokens than the model (its added or special tokens); ``name`` names a
+    dataset built in Python."""
+    for number, example in enumerate(dataset.examples):
+        ids = np.asarray(example.ids)
+        outside = (ids < 0) | (ids >= vocab_size) if vocab_size else ids < 0
+        if not outside.any():
+            continue
+        token = int(ids[outside][0])
+        if dataset.lines is not None:
+            raise UserError(f"{dataset.path}: line {dataset.lines[number]} tokenizes to id {token}, outside the "
+                            f"model's vocabulary of {vocab_size}: the tokenizer holds tokens the model's embedding "
+                            "does not; use the model's own tokenizer, or a model with an embedding row for each token")
+        raise UserError(f"the {name} dataset's example {number} holds token id {token}, outside the model's "
+                        f"vocabulary of {vocab_size or 'ids from 0'}; tokenize with the model's tokenizer")
+
+
 def text_windows(ids: list[int], max_seq_length: int) -> list[list[int]]:
     """A long document as consecutive windows of ``max_seq_length`` tokens, each starting at
     the last token of the one before: every token after the first is a target exactly once."""

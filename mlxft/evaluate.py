@@ -91,13 +91,14 @@ def evaluate(model, tokenizer, path, *, batch_size: int = TrainConfig.batch_size
     """Token-weighted mean loss over the rows of ``path`` (and its perplexity, exp(loss))."""
     import mlx.core as mx
 
-    from mlxft import data
+    from mlxft import data, models
     from mlxft.loss import evaluation_loss, perplexity
 
     check_counts(batch_size, max_seq_length, max_batches, loss_chunk)
     data.renders_chat(tokenizer, prompt_format)  # a format none of the three is an error, whatever the rows
     path = Path(path)
     dataset = data.load_dataset(path, tokenizer, max_seq_length, completion_only, prompt_format)
+    data.check_token_ids(dataset, models.vocab_size(model))
     was_training = model.training  # a research script's training loop keeps its dropout
     model.eval()
     loss_sum, tokens, scored = mx.array(0.0), mx.array(0.0), set()

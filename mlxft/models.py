@@ -392,6 +392,17 @@ def compute_dtype(model: nn.Module) -> mx.Dtype:
     return mx.float32
 
 
+def vocab_size(model: nn.Module) -> int | None:
+    """The token embedding's rows as the model's config declares them (a wrapped model's in its
+    text config); None when it declares none."""
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    if size is None:
+        text = getattr(args, "text_config", None)
+        size = text.get("vocab_size") if isinstance(text, dict) else getattr(text, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts; quantized weights count as their logical size."""
     from mlx.utils import tree_flatten

@@ -162,9 +162,11 @@ def _check_creatable(run_dir: Path) -> None:
                         "can write to")
 
 
-def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | None, vocab_size: int | None) -> None:
-    """What loading a JSONL file refuses, for datasets built in Python, and token ids the
-    model's embedding does not have (MLX does not check an index)."""
+def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | None, vocab_size: int | None,
+                          max_seq_length: int) -> None:
+    """What loading a JSONL file refuses or cuts, for datasets built in Python: token ids the
+    model's embedding does not have (MLX does not check an index), and rows past
+    ``max_seq_length`` (which the memory estimate, its advice and the size checks rely on)."""
     for name, dataset in (("train", train_set), ("validation", valid_set)):
         if dataset is None:
             continue
@@ -177,11 +179,11 @@ def _check_given_datasets(train_set: data.Dataset, valid_set: data.Dataset | Non
         for number, example in enumerate(dataset.examples):
             if not example.ids.size:  # a batch row would start one token before it
                 raise UserError(f"the {name} dataset's example {number} holds no tokens; leave it out")
-            outside = (example.ids < 0) | (example.ids >= vocab_size if vocab_size else False)
-            if outside.any():
-                raise UserError(f"the {name} dataset's example {number} holds token id {example.ids[outside][0]}, "
-                                f"outside the model's vocabulary of {vocab_size or 'ids from 0'}; tokenize with "
-                                "the model's tokenizer")
+            if example.ids.size > max_seq_length:
+                raise UserError(f"the {name} dataset's example {number} holds {example.ids.size} tokens, more than "
+                                f"data.max_seq_length ({max_seq_length}); cut it (data.text_windows splits a "
+                                "document) or raise max_seq_length")
+        data.check_token_ids(dataset, vocab_size, name)
 
 
 def _check_arguments(config, model, tokenizer, datasets) -> None:
@@ -349,10 +351,12 @@ class Trainer:
             with self.world.local_work():  # so may tokenizing a large dataset
                 self.train_set = load(self.train_file)
                 self.valid_set = load(self.valid_file) if self.valid_file else None
+                for dataset in (self.train_set, self.valid_set):
+                    if dataset is not None:
+                        data.check_token_ids(dataset, models.vocab_size(model))
         else:
             self.train_set, self.valid_set = datasets
-            vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
-            _check_given_datasets(self.train_set, self.valid_set, vocab_size)
+            _check_given_datasets(self.train_set, self.valid_set, models.vocab_size(model), config.data.max_seq_length)
         scored = self.valid_set if self.valid_set is not None else self.train_set  # what exact-match reads
         if t.exact_match_rows and (scored.path is None or not Path(scored.path).is_file()):  # a dataset built in Python
             raise UserError(f"train.exact_match_rows: exact-match reads prompts and answers from the dataset's JSONL "
@@ -551,7 +555,7 @@ class Trainer:
         """Rows, padded length and (padded) supervised positions of the largest micro-batch a
         rank can get: its longest row's, and its rows with the most supervised tokens."""
         c, examples = self.config, self.train_set.examples
-        per_rank = c.train.batch_size // self.world.size
+        per_rank = self._rows(self.train_set)
         length = data.round_up(max(len(e.ids) for e in examples) - 1, c.data.length_bucket)
         supervised = sorted((int(e.mask[1:].sum()) for e in examples), reverse=True)[:per_rank]
         return per_rank, length, data.padded_supervised_count(sum(supervised), per_rank * length,
@@ -587,8 +591,14 @@ class Trainer:
     def batch(self, dataset: data.Dataset, indices) -> data.Batch:
         """This rank's share of the global batch ``indices``, padded to its fixed row count."""
         rows = [dataset.examples[i] for i in self.world.shard(indices)]
+        return data.make_batch(rows, self._rows(dataset), self.config.data.length_bucket, pack=self.config.data.pack)
+
+    def _rows(self, dataset: data.Dataset) -> int:
+        """The rows of each of this rank's micro-batches of ``dataset``: its share of the batch
+        size, or of the whole dataset where that is smaller (a small validation set), which all
+        padding rows would only slow down (64 rows for 4 took 10 times as long)."""
         per_rank = self.config.train.batch_size // self.world.size
-        return data.make_batch(rows, per_rank, self.config.data.length_bucket, pack=self.config.data.pack)
+        return max(1, min(per_rank, -(-len(dataset) // self.world.size)))
 
     @contextlib.contextmanager
     def _run_limits(self):
@@ -1008,8 +1018,8 @@ class Trainer:
         if not isinstance(dataset, data.Dataset):
             raise UserError(f"evaluate takes an mlxft.data.Dataset, not {type(dataset).__name__}")
         if dataset is not self.valid_set and dataset is not self.train_set:  # those were checked once
-            vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", None)
-            _check_given_datasets(None, dataset, vocab_size)  # a loss over no token, or ids past the vocabulary
+            # A loss over no token, ids past the vocabulary, rows past max_seq_length.
+            _check_given_datasets(None, dataset, models.vocab_size(self.model), self.config.data.max_seq_length)
         t = self.config.train
         was_training = self.model.training
         self.model.eval()

@@ -525,6 +525,11 @@ def test_a_model_passed_in_is_frozen_left_as_found_and_never_adapted_twice(llama
         trainer.evaluate(Dataset(Path("none"), [], "completion"))
     with pytest.raises(UserError, match="holds token id 1000000, outside the model's vocabulary"):
         trainer.evaluate(Dataset(Path("far"), [Example([1, 2, 10**6], [1, 1, 1])], "completion"))
+    # Rows past max_seq_length were used as they were, where a file's are cut or split.
+    too_long = Example(np.arange(3, 3 + cfg.data.max_seq_length + 1), np.ones(cfg.data.max_seq_length + 1, bool))
+    with pytest.raises(UserError, match=rf"the validation dataset's example 0 holds {cfg.data.max_seq_length + 1} "
+                                        rf"tokens, more than data.max_seq_length \({cfg.data.max_seq_length}\)"):
+        trainer.evaluate(Dataset(Path("long"), [too_long], "completion"))
     assert trainer.evaluate(Dataset(Path("rows"), rows, "completion"))[1] == sum(e.supervised for e in rows)
     cfg.train.output_dir = str(tmp_path / "another")
     with pytest.raises(UserError, match="holds LoRA layers already"):
@@ -658,3 +663,43 @@ def test_the_python_example_trains_and_a_second_run_is_a_one_line_refusal(llama_
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and again.stderr.startswith("error: output directory")
     assert len(again.stderr.strip().splitlines()) == 1 and "Traceback" not in again.stderr
+
+
+def test_token_ids_past_the_models_vocabulary_from_a_file_are_one_line_errors(tmp_path, capsys):
+    # A tokenizer with tokens the embedding lacks: loaded from JSONL (not built in Python), the
+    # ids went unchecked and training read past the embedding table without a word.
+    from conftest import CHAT_ROWS, LLAMA_CONFIG, write_model
+    from mlxft.evaluate import main as evaluate_main
+    from mlxft.train import main
+
+    model = write_model(tmp_path / "model", {**LLAMA_CONFIG, "vocab_size": 4096})  # the chat tokens are 8193 and up
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", [{"messages": [{"role": "user", "content": "a"}]}, *CHAT_ROWS[:3]])
+    assert main(["--model", str(model), "--data", str(data), "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the note of line 1, skipped (nothing supervised)
+    assert re.fullmatch(rf"error: {re.escape(str(data / 'train.jsonl'))}: line 2 tokenizes to id \d+, outside the "
+                        r"model's vocabulary of 4096: .*", err), err
+    assert not (tmp_path / "run").exists()
+    assert evaluate_main(["--model", str(model), "--data", str(data / "train.jsonl")]) == 2
+    assert "line 2 tokenizes to id" in capsys.readouterr().err
+
+
+def test_a_batch_size_past_the_datasets_rows_adds_no_padding_rows(llama_dir, tmp_path):
+    # Every micro-batch was padded to the batch size: a 4-row validation set at --batch-size 64
+    # computed 64 rows (60 of padding), ten times the time, and the estimate priced them all.
+    from conftest import CHAT_ROWS
+
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", CHAT_ROWS[:5])
+    write_jsonl(data / "valid.jsonl", CHAT_ROWS[5:8])
+    runs = {}
+    for batch_size in (5, 16):
+        trainer = Trainer(config(llama_dir, data, tmp_path / f"run-{batch_size}", batch_size=batch_size, max_steps=3,
+                                 eval_every=1))
+        assert trainer._largest_micro_batch()[0] == 5
+        assert trainer.batch(trainer.valid_set, [0, 1, 2]).inputs.shape[0] == 3
+        trainer.train()
+        runs[batch_size] = trainer
+    records = [[json.loads(line) for line in (tmp_path / f"run-{b}" / "metrics.jsonl").read_text().splitlines()]
+               for b in (5, 16)]
+    assert [r.get("loss", r.get("val_loss")) for r in records[0]] == [r.get("loss", r.get("val_loss")) for r in records[1]]
