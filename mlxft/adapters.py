@@ -815,7 +815,7 @@ def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int
             raise
         raise UserError(f"{err} (the base recorded in {recorded_in}; pass --model to use another)") from err
     if quantize and not models.is_quantized(model):
-        model.set_dtype(models.resolve_dtype(quantize_dtype or dtype))
+        models.cast(model, models.resolve_dtype(quantize_dtype or dtype))
         model, config = quantize_model(model, config, group_size, quantize)
     models.finish_loading(model, dtype)
     return model, tokenizer, path, config
@@ -828,11 +828,13 @@ def run_tokenizer(directory: Path, config: dict):
     from mlx_lm.utils import load_tokenizer
 
     try:
-        return load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
     # A damaged copy, or one a newer tokenizers library wrote (the Rust parser raises a bare
     # Exception for a variant it does not know): the base's own tokenizer is the same one.
     except Exception:
         return None
+    # Its vocabulary file lost (a tokenizer_config.json alone makes a tokenizer of special tokens).
+    return tokenizer if tokenizer.encode("The capital of France is Paris.", add_special_tokens=False) else None
 
 
 # ---------------------------------------------------------------------------------------

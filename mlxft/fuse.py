@@ -71,11 +71,11 @@ def fuse(adapter: str | None, model: str | None, out, *, dequantize: bool = Fals
     if quantized and count:
         print("note: the base is quantized; the merged layers were re-quantized, which loses precision "
               "(pass --dequantize for an exact merge)", file=sys.stderr)
-    renamed = [] if quantized else hf.renamed_tensors(loaded.model, loaded.model_path)
+    renamed = [] if quantized else hf.tensors_unlike_base(loaded.model, loaded.model_path)
     if renamed:
-        print(f"note: {len(renamed)} tensors are written as mlx-lm names them, not as the base stores them "
-              f"(e.g. {renamed[0]}): mlx-lm loads the result, transformers would start them at random",
-              file=sys.stderr)
+        print(f"note: {len(renamed)} tensors are written as mlx-lm names or lays them out, not as the base stores "
+              f"them (e.g. {renamed[0]}): mlx-lm loads the result, transformers would refuse them or start them "
+              "at random", file=sys.stderr)
     path = hf.save_hf_model(loaded.model, loaded.config, loaded.tokenizer, out, dtype=out_dtype,
                             source_dir=loaded.model_path, max_shard_bytes=int(max_shard_gb * (1 << 30)),
                             overwrite=overwrite)

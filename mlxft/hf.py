@@ -73,23 +73,39 @@ def stored_dtype(model_path: Path) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def renamed_tensors(model: nn.Module, model_path: Path) -> list[str]:
-    """The tensors :func:`hf_weights` writes under names the base's own files do not use.
+def tensors_unlike_base(model: nn.Module, model_path: Path) -> list[str]:
+    """The tensors :func:`hf_weights` writes under names the base's own files do not use, or
+    in another shape than a float tensor of that name there.
 
-    mlx-lm's loader renames some families' tensors and this module turns back only LFM2's
-    layout: a mixture of experts stays stacked (``switch_mlp``) where the base stores each
-    expert apart, and transformers would start those tensors at random. Empty when the base
-    stores no safetensors to compare with.
+    mlx-lm's loader renames or lays out some families' tensors its own way, and this module
+    turns back only LFM2's layout: a mixture of experts stays stacked (``switch_mlp``) where the
+    base stores each expert apart, and a Mamba-style convolution kernel stays (channels,
+    kernel, 1). transformers would refuse or start those at random; putting them back is not
+    done, since for some families (Qwen3.5) mlx-lm takes PyTorch's layout as the sign of an
+    unconverted checkpoint and converts its other weights again. Empty when the base stores no
+    safetensors to compare with.
     """
-    stored = {name for name, _ in _stored_tensors(model_path)}
-    return sorted(set(hf_weights(model)) - stored) if stored else []
+    stored = {name: entry for name, entry in _stored_tensors(model_path)}
+    if not stored:
+        return []
+
+    def unlike(name: str, value: mx.array) -> bool:
+        entry = stored.get(name)
+        if entry is None:
+            return True
+        # A quantized base's packed weights have another shape; only float tensors compare.
+        return entry.get("dtype") in _SAFETENSORS_DTYPES and list(entry.get("shape", value.shape)) != list(value.shape)
+
+    return sorted(name for name, value in hf_weights(model).items() if unlike(name, value))
 
 
 def hf_weights(model: nn.Module, dtype: mx.Dtype | None = None) -> dict[str, mx.array]:
     """The model's parameters under transformers' names and layouts, floats cast to ``dtype``."""
     weights = dict(tree_flatten(model.parameters()))
     if dtype is not None:
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        from mlxft.models import cast_weights
+
+        weights = cast_weights(model, weights, dtype)
     if getattr(model, "model_type", "") == "lfm2":
         # mlx-lm keeps the depthwise conv kernel as (channels, kernel, 1); PyTorch's Conv1d
         # weight is (channels, 1, kernel). mlx-lm's loader transposes it back on load.
@@ -104,8 +120,13 @@ def hf_config(model: nn.Module, config: dict, weights: dict[str, mx.array], dtyp
     model_type = config.get("model_type", getattr(model, "model_type", ""))
     if "architectures" not in config and model_type in ARCHITECTURES:
         config["architectures"] = [ARCHITECTURES[model_type]]
-    # mlx-lm drops a tied lm_head on load; without one, transformers must tie it back.
-    tied = not any(k.startswith("lm_head.") for k in weights)
+    # mlx-lm drops a tied head on load; without one, transformers must tie it back. A head of
+    # another name (InternLM2's `output`) is known by what mlx-lm's model computes.
+    declared = getattr(getattr(model, "args", None), "tie_word_embeddings", None)
+    for key in ("tie_embedding", "tie_word_embeddings"):  # LFM2's own key overrides the other in transformers
+        if not isinstance(declared, bool):
+            declared = config.get(key)
+    tied = not any(k.startswith("lm_head.") for k in weights) and (declared if isinstance(declared, bool) else True)
     config["tie_word_embeddings"] = tied
     if "tie_embedding" in config:  # LFM2's own key, which transformers lets override the other
         config["tie_embedding"] = tied

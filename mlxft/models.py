@@ -223,7 +223,13 @@ def load_tokenizer(path: Path, config: dict):
         # transformers' own message for this is a list cut off after its first line
         raise UserError(f"model directory {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the "
                         "tokenizer files of the model it came from into it")
-    return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    tokenizer = mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    # From a tokenizer_config.json alone transformers builds a tokenizer of a few special tokens,
+    # which encodes text to nothing: training ran on the chat template's tokens alone.
+    if not tokenizer.encode("The capital of France is Paris.", add_special_tokens=False):
+        raise UserError(f"model directory {path}: its tokenizer encodes text to no tokens (its vocabulary file is "
+                        "missing, e.g. tokenizer.json); copy the tokenizer files of the model it came from into it")
+    return tokenizer
 
 
 def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, revision: str = "",
@@ -242,15 +248,35 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
         if is_quantized(model):
             raise UserError(f"model {name} is already quantized; drop --quantize")
         _check_group_size(model, group_size)
-        model.set_dtype(resolve_dtype(quantize_dtype or dtype))
+        cast(model, resolve_dtype(quantize_dtype or dtype))
         model, config = quantize_model(model, config, group_size, quantize)
     finish_loading(model, dtype)
     return model, tokenizer, path, config
 
 
+def cast(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast the model's floating parameters to ``dtype``, but those its family keeps in float32
+    (mlx-lm's ``cast_predicate``: Nemotron-H's ``A_log``, a mixture's routing bias), as mlx-lm's
+    own conversion does: in bfloat16 that bias moved which experts a token went to."""
+    keep = getattr(model, "cast_predicate", None)
+    if keep is None:
+        model.set_dtype(dtype)
+        return
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    model.update(tree_unflatten([(name, value.astype(dtype)) for name, value in tree_flatten(model.parameters())
+                                 if mx.issubdtype(value.dtype, mx.floating) and keep(name)]))
+
+
+def cast_weights(model: nn.Module, weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
+    """``weights`` (the model's, flattened) with the floating ones cast as :func:`cast` would."""
+    keep = getattr(model, "cast_predicate", lambda name: True)
+    return {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and keep(k) else v for k, v in weights.items()}
+
+
 def finish_loading(model: nn.Module, dtype: str) -> None:
     """Cast a loaded (and perhaps quantized) model to ``dtype``, frozen, its output head probed."""
-    model.set_dtype(resolve_dtype(dtype))
+    cast(model, resolve_dtype(dtype))
     check_expert_dtype(model)
     # Cast (and quantized) now: left lazy, the checkpoint's own tensors stay allocated beside
     # the cast ones until the first step, whose peak they join, and every memory probe before it
@@ -383,13 +409,17 @@ def hidden_states(model: nn.Module, inputs: mx.array) -> mx.array:
 
 
 def compute_dtype(model: nn.Module) -> mx.Dtype:
-    """The floating dtype the model computes in (that of its first floating parameter)."""
+    """The floating dtype the model computes in: that of most of its floating parameters'
+    elements (a family may keep a few small ones in float32, see :func:`cast`)."""
+    from collections import Counter
+
     from mlx.utils import tree_flatten
 
+    sizes = Counter()
     for _, value in tree_flatten(model.parameters()):
         if mx.issubdtype(value.dtype, mx.floating):
-            return value.dtype
-    return mx.float32
+            sizes[value.dtype] += value.size
+    return sizes.most_common(1)[0][0] if sizes else mx.float32
 
 
 def vocab_size(model: nn.Module) -> int | None:

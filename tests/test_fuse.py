@@ -198,8 +198,63 @@ def test_experts_left_stacked_are_said_to_load_in_mlx_lm_only(tmp_path, capsys):
     capsys.readouterr()
     out = fuse(None, str(base), tmp_path / "fused")
     printed = capsys.readouterr()
-    assert "tensors are written as mlx-lm names them, not as the base stores them" in printed.err
+    assert "tensors are written as mlx-lm names or lays them out, not as the base stores them" in printed.err
     assert "transformers does not" in printed.out
     assert max_rel_diff(mlx_lm_logits(out), expected) < 1e-6
     fuse(None, str(out), tmp_path / "again")  # a base already in mlx-lm's layout: nothing renamed
-    assert "mlx-lm names them" not in capsys.readouterr().err
+    assert "mlx-lm names or lays them out" not in capsys.readouterr().err
+
+
+def test_a_convolution_kernel_in_mlx_lms_layout_is_said_to_load_in_mlx_lm_only(tmp_path, capsys):
+    # A Mamba base stores its conv kernel as PyTorch does, (channels, 1, kernel); mlx-lm's layout
+    # was written under the same name without a word, and transformers refused the result.
+    from conftest import write_model
+
+    mamba = {"model_type": "mamba", "vocab_size": 8256, "hidden_size": 32, "intermediate_size": 64,
+             "state_size": 8, "num_hidden_layers": 2, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True,
+             "time_step_rank": 4, "tie_word_embeddings": True}
+    base = write_model(tmp_path / "mamba", mamba)
+    weights = mx.load(str(base / "model.safetensors"))
+    weights = {k: v.swapaxes(1, 2) if k.endswith("conv1d.weight") else v for k, v in weights.items()}
+    mx.save_safetensors(str(base / "model.safetensors"), weights)
+    expected = logits(base_model(base))
+    capsys.readouterr()
+    out = fuse(None, str(base), tmp_path / "fused")
+    printed = capsys.readouterr()
+    assert "tensors are written as mlx-lm names or lays them out" in printed.err and "conv1d.weight" in printed.err
+    assert "transformers does not" in printed.out
+    assert max_rel_diff(mlx_lm_logits(out), expected) < 1e-6
+
+
+def test_an_untied_head_of_another_name_stays_untied(tmp_path):
+    # InternLM2 names its untied head `output`: the head was taken for tied (no `lm_head.`), and
+    # neither mlx-lm nor mlxft could load the result (`output.weight` not in the model).
+    from conftest import write_model
+
+    internlm2 = {"model_type": "internlm2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 8256,
+                 "bias": False, "tie_word_embeddings": False, "rope_theta": 10000.0}
+    base = write_model(tmp_path / "internlm2", internlm2)
+    out = fuse(None, str(base), tmp_path / "fused")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert max_rel_diff(mlx_lm_logits(out), logits(base_model(base))) < 1e-6
+
+
+def test_parameters_a_family_keeps_in_float32_stay_float32(tmp_path):
+    # mlx-lm's conversion keeps Nemotron-H's A_log and its routing bias in float32: mlxft cast
+    # them with the rest, which moved which experts a token went to.
+    from conftest import write_model
+    from mlx.utils import tree_flatten
+    from test_moe import NEMOTRON_H
+
+    base = write_model(tmp_path / "nemotron", NEMOTRON_H)
+    kept = ("A_log", "e_score_correction_bias")
+    model = models.load(str(base), "float32")[0]
+    models.cast(model, mx.bfloat16)
+    dtypes = {name: value.dtype for name, value in tree_flatten(model.parameters())}
+    assert {d for n, d in dtypes.items() if any(k in n for k in kept)} == {mx.float32}
+    assert models.compute_dtype(model) == mx.bfloat16
+    out = fuse(None, str(base), tmp_path / "fused", dtype="bfloat16")
+    written = mx.load(str(out / "model.safetensors"))
+    assert {v.dtype for n, v in written.items() if any(k in n for k in kept)} == {mx.float32}
+    assert written["backbone.embeddings.weight"].dtype == mx.bfloat16

@@ -439,6 +439,13 @@ def test_a_model_directory_without_a_tokenizer_is_named_in_one_line(llama_dir, c
     err = capsys.readouterr().err
     assert err.startswith(f"error: model directory {bare} has no tokenizer") and all(n in err for n in TOKENIZER_FILES)
     assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+    # A tokenizer_config.json alone made a tokenizer of a few special tokens that encoded text to
+    # nothing: the run trained on the chat template's tokens alone, and generate printed nothing.
+    shutil.copy(llama_dir / "tokenizer_config.json", bare / "tokenizer_config.json")
+    assert main(["--model", str(bare), "--data", str(chat_data), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: model directory {bare}: its tokenizer encodes text to no tokens" in err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
 def test_a_local_model_is_recorded_by_its_absolute_path(llama_dir, chat_data, tmp_path, monkeypatch):
