@@ -598,7 +598,7 @@ class Trainer:
         size, or of the whole dataset where that is smaller (a small validation set), which all
         padding rows would only slow down (64 rows for 4 took 10 times as long)."""
         per_rank = self.config.train.batch_size // self.world.size
-        return max(1, min(per_rank, -(-len(dataset) // self.world.size)))
+        return max(1, min(per_rank, -(-len(dataset.examples) // self.world.size)))
 
     @contextlib.contextmanager
     def _run_limits(self):

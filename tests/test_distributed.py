@@ -458,6 +458,7 @@ def test_the_memory_estimate_counts_as_local_work(monkeypatch):
     trainer = SimpleNamespace(world=world, config=RunConfig(), train_set=SimpleNamespace(examples=rows), model=None,
                               optimizer=SimpleNamespace(state={}))
     trainer._largest_micro_batch = lambda: Trainer._largest_micro_batch(trainer)
+    trainer._rows = lambda dataset: Trainer._rows(trainer, dataset)
     assert Trainer.estimate_memory(trainer) is estimated
     assert depth == [1] and world._local_depth == 0
 
@@ -479,5 +480,6 @@ def test_validation_counts_as_local_work_up_to_its_sum(monkeypatch):
     model = SimpleNamespace(eval=lambda: None, train=lambda mode=True: None, training=True)
     trainer = SimpleNamespace(world=world, config=config, model=model, valid_set=Dataset(None, rows, "completion"))
     trainer.batch = lambda dataset, indices: Trainer.batch(trainer, dataset, indices)
+    trainer._rows = lambda dataset: Trainer._rows(trainer, dataset)
     assert Trainer.evaluate(trainer) == (1.0, 9)
     assert depth == [1, 1, 1, ("sum", 0)]
