@@ -267,11 +267,11 @@ def check_row(row: dict, where: str) -> str:
             if role != role.strip().lower() and role.strip().lower() in _COMMON_ROLES:  # "Assistant" is not supervised
                 raise UserError(f"{where}: messages[{i}] has role {role!r}; chat templates know "
                                 f"{role.strip().lower()!r}: write that")
-        tools = row.get("tools")
-        if tools is not None:
-            if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-                raise UserError(f"{where}: field 'tools' must be a list of objects (function schemas)")
-            _need_all_text(tools, "tools", where)
+    tools = row.get("tools")
+    if kind != "text" and tools is not None:  # function schemas, which a chat or prompt row's template shows
+        if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+            raise UserError(f"{where}: field 'tools' must be a list of objects (function schemas)")
+        _need_all_text(tools, "tools", where)
     return kind
 
 
@@ -731,7 +731,11 @@ def encode_row(row: dict, tokenizer, completion_only: bool, prompt_format: str, 
     prompt, completion = row["prompt"], row["completion"]
     if renders_chat(tokenizer, prompt_format):
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        return (kind, *encode_chat(tokenizer, messages, completion_only, where))
+        # As mlx-lm renders such a row: with its tools (they had been dropped unread).
+        return (kind, *encode_chat(tokenizer, messages, completion_only, where, row.get("tools")))
+    if row.get("tools"):
+        raise UserError(f"{where}: field 'tools' needs the chat template, but prompts are rendered raw (--prompt-format "
+                        "raw, or a tokenizer without a template); drop 'tools' or use --prompt-format chat")
     # What the tokenizer adds around a text (a BOS), then prompt and completion as one text.
     added = _encode(tokenizer, "", special=True)
     if _encode(tokenizer, prompt, special=True) == added + _encode(tokenizer, prompt):

@@ -35,7 +35,7 @@ class QAPair(NamedTuple):
     messages: list[dict]  # the prompt: what comes before the answer
     reference: str
     chat: bool = False  # from a chat row, which training renders with the chat template whatever --prompt-format says
-    tools: list | None = None  # the chat row's function schemas, which its template shows the model
+    tools: list | None = None  # the row's function schemas, which its template shows the model
 
 
 def prompt_ids(tokenizer, messages: list[dict], prompt_format: str = "auto", tools: list | None = None,
@@ -78,7 +78,7 @@ def qa_pairs(path, limit: int) -> list[QAPair]:
                 continue
             pairs.append(QAPair(msgs[:last], msgs[last]["content"], chat=True, tools=row.get("tools")))
         elif "prompt" in row and "completion" in row and row["prompt"].strip():
-            pairs.append(QAPair([{"role": "user", "content": row["prompt"]}], row["completion"]))
+            pairs.append(QAPair([{"role": "user", "content": row["prompt"]}], row["completion"], tools=row.get("tools")))
         if len(pairs) >= limit:
             break
     return pairs

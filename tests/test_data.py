@@ -470,6 +470,32 @@ def test_a_chat_rows_tools_reach_the_template_in_training_and_exact_match(tokeni
             check_file(path)
 
 
+def test_a_prompt_rows_tools_reach_the_template_as_mlx_lm_renders_them(tokenizer, tmp_path):
+    # mlx-lm renders a prompt/completion row's "tools" too; mlxft dropped them without a word,
+    # so a switching user trained on other text than mlx-lm's.
+    from mlxft import generation
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    row = {"prompt": "Weather in Paris?", "completion": "Let me look.", "tools": tools}
+    path = tmp_path / "train.jsonl"
+    write_jsonl(path, [row])
+    example = load_dataset(path, tokenizer, 4096).examples[0]
+    as_chat = {"messages": [{"role": "user", "content": row["prompt"]},
+                            {"role": "assistant", "content": row["completion"]}], "tools": tools}
+    write_jsonl(tmp_path / "chat.jsonl", [as_chat])
+    chat = load_dataset(tmp_path / "chat.jsonl", tokenizer, 4096).examples[0]
+    assert "Weather for a city" in tokenizer.decode(example.ids.tolist())
+    assert example.ids.tolist() == chat.ids.tolist() and example.mask.tolist() == chat.mask.tolist()
+    pair = generation.qa_pairs(path, 1)[0]
+    assert "Weather for a city" in tokenizer.decode(generation.prompt_ids(tokenizer, pair.messages, "auto", pair.tools))
+    with pytest.raises(UserError, match="line 1: field 'tools' needs the chat template, but prompts are rendered raw"):
+        load_dataset(path, tokenizer, 4096, prompt_format="raw")
+    write_jsonl(path, [{**row, "tools": {"name": "x"}}])
+    with pytest.raises(UserError, match="line 1: field 'tools' must be a list of objects"):
+        check_file(path)
+
+
 def test_a_lone_surrogate_anywhere_in_a_message_is_a_one_line_error(tmp_path):
     path = tmp_path / "train.jsonl"
     call = [{"type": "function", "function": {"name": "f", "arguments": {"city": "Par\ud800is"}}}]
