@@ -800,7 +800,7 @@ def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int
     that named this base, which an error finding or reading the base then points to (and not
     an error the base is no cause of, such as a dtype refused for it).
     """
-    from mlx_lm.utils import load_model, quantize_model
+    from mlx_lm.utils import load_model
 
     try:
         path = models.resolve_model_path(name, revision)
@@ -816,7 +816,7 @@ def load_base(name: str, dtype: str = "auto", quantize: int = 0, group_size: int
         raise UserError(f"{err} (the base recorded in {recorded_in}; pass --model to use another)") from err
     if quantize and not models.is_quantized(model):
         models.cast(model, models.resolve_dtype(quantize_dtype or dtype))
-        model, config = quantize_model(model, config, group_size, quantize)
+        model, config = models.quantized(model, config, group_size, quantize)
     models.finish_loading(model, dtype)
     return model, tokenizer, path, config
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -236,7 +237,7 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
          quantize_dtype: str = ""):
     """Load ``(model, tokenizer, path, config)`` with mlx-lm, cast and optionally quantized
     (from the weights cast to ``quantize_dtype``, else to ``dtype``)."""
-    from mlx_lm.utils import load_model, quantize_model
+    from mlx_lm.utils import load_model
 
     path = resolve_model_path(name, revision)
     try:
@@ -249,9 +250,20 @@ def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64
             raise UserError(f"model {name} is already quantized; drop --quantize")
         _check_group_size(model, group_size)
         cast(model, resolve_dtype(quantize_dtype or dtype))
-        model, config = quantize_model(model, config, group_size, quantize)
+        model, config = quantized(model, config, group_size, quantize)
     finish_loading(model, dtype)
     return model, tokenizer, path, config
+
+
+def quantized(model: nn.Module, config: dict, group_size: int, bits: int):
+    """mlx-lm's ``quantize_model``, whose report of the bits per weight goes to stderr: on
+    stdout it broke ``evaluate --json`` and came before ``generate``'s answer."""
+    import contextlib
+
+    from mlx_lm.utils import quantize_model
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return quantize_model(model, config, group_size, bits)
 
 
 def cast(model: nn.Module, dtype: mx.Dtype) -> None:

@@ -94,9 +94,12 @@ def test_a_few_small_layers_left_unquantized_are_mlx_lm_s_choice():
         models._check_group_size(nn.Sequential(nn.Linear(128, 512), nn.Linear(96, 512)), 64)
 
 
-def test_qlora_on_a_quantized_base(llama_dir):
+def test_qlora_on_a_quantized_base(llama_dir, capsys):
     model, _, _, _ = models.load(str(llama_dir), "float32", quantize=4, group_size=32)
     assert models.is_quantized(model)
+    # mlx-lm's report of the bits per weight went to stdout, before generate's answer and into evaluate --json.
+    printed = capsys.readouterr()
+    assert printed.out == "" and "bits per weight" in printed.err
     lora.apply(model, AdapterConfig(rank=4), 0)
     layer = model.model.layers[0].self_attn.q_proj
     assert isinstance(layer.linear, nn.QuantizedLinear)
