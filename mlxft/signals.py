@@ -38,6 +38,14 @@ def hold_save_requests() -> None:
         signal.signal(SAVE_SIGNAL, _nothing_to_save)
 
 
+def ignore_save_requests() -> None:
+    """Ignore SIGUSR1 from here on, as a command line entry point ends: Python's shutdown puts
+    a Python handler back to the system's default, which ends the process (exit code 138 after
+    a run that had saved everything), but leaves an ignored signal ignored."""
+    if SAVE_SIGNAL is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(SAVE_SIGNAL, signal.SIG_IGN)
+
+
 class StopRequests:
     """Installs handlers for the lifetime of a ``with`` block (main thread only)."""
 

@@ -100,4 +100,8 @@ def _same_path(a, b) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    finally:
+        signals.ignore_save_requests()
+    sys.exit(code)

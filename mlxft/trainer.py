@@ -697,32 +697,9 @@ class Trainer:
             self.exact_match_baseline = True
         self.reporter.start_clock()  # the first logged window times training, not what came before it
         self._compile_first_step()
-        with self.stop, self.stop.taking_saves():
-            self._say_how_to_save()
-            while self.step_count < self.total_steps:
-                batches = data.epoch_batches(self.train_set.lengths, t.batch_size, t.seed, self.epoch)
-                while self.batch_index < len(batches) and self.step_count < self.total_steps:
-                    # Every rank stops at the same micro-batch. With several ranks only between
-                    # windows: an open window holds each rank's own partial gradients.
-                    at_boundary = self.window is None or self.world.size == 1
-                    stop, save = self.world.any_each(
-                        self.stop.requested, self.stop.save_requested and self._between_steps()) if at_boundary \
-                        else (False, False)
-                    if save and not stop:  # a stop saves anyway
-                        self._save_on_request()
-                    if stop:
-                        self._drain()
-                        if self.reporter.unlogged_steps and self.last_done is not None:
-                            # The resumed run starts after them: their window is logged now or never.
-                            self._log_step(self.last_done, force=True)
-                        self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
-                        path = self.save_checkpoint("emergency")
-                        raise TrainingStopped(f"stopped by {self.stop.name} at step {self.step_count}; saved {path}; "
-                                              f"continue with --resume {self.run_dir / checkpoint.LATEST}",
-                                              128 + self.stop.signum, path, joint=True)
-                    self._micro_step(batches)
-                if self.batch_index >= len(batches):
-                    self.epoch, self.batch_index = self.epoch + 1, 0
+        with self.stop:
+            with self.stop.taking_saves():  # the loop only: the final save holds the last step anyway
+                self._train_steps()
             self._drain()
             # Unless the last step's own validation ran: not where a stop cut it short, nor in a
             # resumed run whose checkpoint was saved at the last step before it.
@@ -750,6 +727,39 @@ class Trainer:
                 self._show_answers(before, after)
                 result.exact_match_before = before[0]
         return result
+
+    def _train_steps(self) -> None:
+        """The optimizer steps left, micro-batch by micro-batch; a stop request ends them with an
+        emergency checkpoint (:class:`TrainingStopped`), a save request takes a checkpoint on the way."""
+        t = self.config.train
+        self._say_how_to_save()
+        while self.step_count < self.total_steps:
+            batches = data.epoch_batches(self.train_set.lengths, t.batch_size, t.seed, self.epoch)
+            while self.batch_index < len(batches) and self.step_count < self.total_steps:
+                # Every rank stops at the same micro-batch. With several ranks only between
+                # windows: an open window holds each rank's own partial gradients.
+                if self.window is None or self.world.size == 1:
+                    stop, save = self.world.any_each(self.stop.requested,
+                                                     self.stop.save_requested and self._between_steps())
+                    if stop:
+                        self._stop_with_checkpoint()
+                    if save:
+                        self._save_on_request()
+                self._micro_step(batches)
+            if self.batch_index >= len(batches):
+                self.epoch, self.batch_index = self.epoch + 1, 0
+
+    def _stop_with_checkpoint(self) -> None:
+        """Save an emergency checkpoint where a stop request found the loop, and raise :class:`TrainingStopped`."""
+        self._drain()
+        if self.reporter.unlogged_steps and self.last_done is not None:
+            # The resumed run starts after them: their window is logged now or never.
+            self._log_step(self.last_done, force=True)
+        self.stop.signum = self.stop.signum or signal.SIGTERM  # a peer's request
+        path = self.save_checkpoint("emergency")
+        raise TrainingStopped(f"stopped by {self.stop.name} at step {self.step_count}; saved {path}; "
+                              f"continue with --resume {self.run_dir / checkpoint.LATEST}",
+                              128 + self.stop.signum, path, joint=True)
 
     def _between_steps(self) -> bool:
         """Whether the next micro-batch opens an optimizer step after at least one has run: where

@@ -597,6 +597,39 @@ def test_a_signal_during_the_final_validation_still_saves_the_run(llama_dir, tmp
     assert evals[-1]["step"] == 2 and result.val_loss == evals[-1]["val_loss"] == pytest.approx(resumed.evaluate()[0])
 
 
+def test_a_save_request_after_the_last_step_is_answered_not_promised(llama_dir, tmp_path, capfd):
+    # The loop's save handler covered the final validation and save too: it promised a
+    # checkpoint after the current step, again and again, and none came but final.
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", CHAT_ROWS[:4])
+    write_jsonl(data / "valid.jsonl", CHAT_ROWS[:4])
+    out = tmp_path / "run"
+    trainer = Trainer(config(llama_dir, data, out, max_steps=2, save_every=0, grad_accum_steps=1, memory_estimate=False))
+    original = trainer.batch
+
+    def batch(dataset, indices):
+        if dataset is trainer.valid_set and trainer.step_count == trainer.total_steps:
+            signal.getsignal(signal.SIGUSR1)(signal.SIGUSR1, None)  # as the signal would, in the main thread
+        return original(dataset, indices)
+
+    trainer.batch = batch
+    trainer.train()
+    err = capfd.readouterr().err  # the handler writes to the file descriptor
+    assert "SIGUSR1: no training steps are running now" in err and "saving a checkpoint" not in err
+    assert not list(out.glob("checkpoint-*"))
+
+
+def test_sigusr1_as_the_command_ends_does_not_kill_it(llama_dir, uninterrupted, tmp_path):
+    # Python's shutdown puts a Python signal handler back to the default, which for SIGUSR1
+    # ends the process: exit code 138 after a run that had saved everything.
+    proc = cli("--model", llama_dir, "--data", uninterrupted[0], "--output-dir", tmp_path / "run", "--max-steps", 1)
+    wait_for(proc, "done: ")
+    while proc.poll() is None:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.02)
+    assert proc.returncode == 0, proc.stderr.read()
+
+
 @pytest.mark.parametrize("accum, save_every, limit, saved_at", [
     (2, 2, 2, 2),  # the limit is reached on a step read before the next micro-batch is queued
     (1, 0, 1, 2),  # reached on a step read late: the step queued behind it is in the checkpoint too
