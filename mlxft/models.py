@@ -270,19 +270,18 @@ def cast(model: nn.Module, dtype: mx.Dtype) -> None:
     """Cast the model's floating parameters to ``dtype``, but those its family keeps in float32
     (mlx-lm's ``cast_predicate``: Nemotron-H's ``A_log``, a mixture's routing bias), as mlx-lm's
     own conversion does: in bfloat16 that bias moved which experts a token went to."""
-    castable = getattr(model, "cast_predicate", None)  # True for a parameter name that may be cast
-    if castable is None:
+    if getattr(model, "cast_predicate", None) is None:  # every floating parameter: MLX's own cast
         model.set_dtype(dtype)
         return
     from mlx.utils import tree_flatten, tree_unflatten
 
-    model.update(tree_unflatten([(name, value.astype(dtype)) for name, value in tree_flatten(model.parameters())
-                                 if mx.issubdtype(value.dtype, mx.floating) and castable(name)]))
+    model.update(tree_unflatten(list(cast_weights(model, dict(tree_flatten(model.parameters())), dtype).items())))
 
 
 def cast_weights(model: nn.Module, weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
-    """``weights`` (the model's, flattened) with the floating ones cast as :func:`cast` would."""
-    castable = getattr(model, "cast_predicate", lambda name: True)
+    """``weights`` (the model's, flattened) with the floating ones cast to ``dtype``, but those
+    the model's ``cast_predicate`` keeps (see :func:`cast`)."""
+    castable = getattr(model, "cast_predicate", lambda name: True)  # True for a name that may be cast
     return {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and castable(k) else v
             for k, v in weights.items()}
 
