@@ -833,8 +833,7 @@ def run_tokenizer(directory: Path, config: dict):
     # Exception for a variant it does not know): the base's own tokenizer is the same one.
     except Exception:
         return None
-    # Its vocabulary file lost (a tokenizer_config.json alone makes a tokenizer of special tokens).
-    return tokenizer if tokenizer.encode("The capital of France is Paris.", add_special_tokens=False) else None
+    return tokenizer if models.encodes_text(tokenizer) else None  # its vocabulary file lost: the base's then
 
 
 # ---------------------------------------------------------------------------------------

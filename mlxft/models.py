@@ -225,12 +225,17 @@ def load_tokenizer(path: Path, config: dict):
         raise UserError(f"model directory {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the "
                         "tokenizer files of the model it came from into it")
     tokenizer = mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    # From a tokenizer_config.json alone transformers builds a tokenizer of a few special tokens,
-    # which encodes text to nothing: training ran on the chat template's tokens alone.
-    if not tokenizer.encode("The capital of France is Paris.", add_special_tokens=False):
+    if not encodes_text(tokenizer):
         raise UserError(f"model directory {path}: its tokenizer encodes text to no tokens (its vocabulary file is "
                         "missing, e.g. tokenizer.json); copy the tokenizer files of the model it came from into it")
     return tokenizer
+
+
+def encodes_text(tokenizer) -> bool:
+    """Whether the tokenizer turns plain text into tokens. From a tokenizer_config.json alone
+    transformers builds one of a few special tokens, which encodes text to nothing: a run
+    trained on the chat template's tokens alone."""
+    return bool(tokenizer.encode("The capital of France is Paris.", add_special_tokens=False))
 
 
 def load(name: str, dtype: str = "auto", quantize: int = 0, group_size: int = 64, revision: str = "",
