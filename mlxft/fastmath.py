@@ -327,6 +327,50 @@ def recomputed_mlp(gate: nn.Module, up: nn.Module, down: nn.Module, x: mx.array)
     return fused(x, gate.lora_a, gate.lora_b, up.lora_a, up.lora_b, down.lora_a, down.lora_b)
 
 
+def short_conv_lora(conv: nn.Module, x: mx.array) -> mx.array:
+    """mlx-lm's LFM2 ``ShortConv`` over ``x`` in training (no cache, no mask) for a plain LoRA
+    ``out_proj``: ``out_proj(C * conv(B * h))`` with ``B, C, h`` the thirds of ``in_proj(x)``,
+    whose backward pass keeps only ``in_proj``'s output.
+
+    Autograd also keeps the convolution's output (for ``C``'s gradient) and the gated product
+    (for the adapter's ``lora_a`` gradient): two more ``[tokens, hidden]`` arrays in every
+    convolution layer, where the layer keeps about 17. Both come back from ``in_proj``'s output
+    in the backward pass: two elementwise products and a depthwise convolution of 3 taps."""
+    out_proj, taps = conv.out_proj, conv.conv.weight.shape[1]
+
+    def gated(bch):
+        b, c, h = mx.split(bch, 3, axis=-1)
+        padded = mx.pad(b * h, [(0, 0), (taps - 1, 0), (0, 0)])
+        return b, c, h, padded, conv.conv(padded)
+
+    @mx.custom_function
+    def fused(bch, lora_a, lora_b):
+        _, c, _, _, convolved = gated(bch)
+        return _lora(out_proj, c * convolved, lora_a, lora_b)
+
+    @fused.vjp
+    def fused_vjp(primals, cotangent, output):
+        bch, lora_a, lora_b = primals
+        # Tied to the cotangent, so the compiled step cannot merge it with the forward's.
+        b, c, h, padded, convolved = gated(mx.depends(bch, cotangent))
+        grad_gated, grad_a, grad_b = lora_gradients(out_proj.linear, out_proj.scale, c * convolved, cotangent,
+                                                    lora_a, lora_b)
+        grad_padded = mx.vjp(conv.conv, [padded], [grad_gated * c])[1][0]
+        grad_product = grad_padded[:, taps - 1:]
+        return mx.concatenate([grad_product * h, grad_gated * convolved, grad_product * b], axis=-1), grad_a, grad_b
+
+    return fused(conv.in_proj(x), out_proj.lora_a, out_proj.lora_b)
+
+
+_SHORT_CONV = "_mlxft_short_conv"
+
+
+def _short_conv_call(self, x, mask=None, cache=None):
+    if mask is None and cache is None and plain_lora(self.out_proj):
+        return short_conv_lora(self, x)
+    return models.call_beneath(self, _SHORT_CONV)(self, x, mask=mask, cache=cache)
+
+
 def _swiglu_mlp(gate: str, up: str, down: str, recompute: bool = False):
     def call(self, x):
         if recompute and plain_lora(self[gate]) and plain_lora(self[up]) and plain_lora(self[down]):
@@ -457,4 +501,6 @@ def enable(model: nn.Module, recompute_mlp: bool = False, first: int = 0) -> boo
     for layer in model.layers:
         models.override_call(layer[models.LAYER_PARTS[family].mlp], _MLP_CALLS[family, id(layer) in recomputing],
                              _MARKER)
+        if family == "lfm2" and "conv" in layer:
+            models.override_call(layer["conv"], _short_conv_call, _SHORT_CONV)
     return True

@@ -473,6 +473,17 @@ def override_call(module: nn.Module, call: Callable, marker: str) -> None:
         module.__class__ = type(cls.__name__, (cls,), {"__call__": call, marker: True})
 
 
+def call_beneath(module: nn.Module, marker: str) -> Callable:
+    """The ``__call__`` that :func:`override_call`'s ``marker`` override replaced for ``module``:
+    what the override hands the calls it does not take. Overrides stack (packing's, then the
+    fused convolution's), so it is found by marker, not as the class's direct base."""
+    classes = type(module).__mro__
+    for below, cls in zip(classes[1:], classes):
+        if marker in vars(cls):
+            return below.__call__
+    raise TypeError(f"{type(module).__name__} has no {marker} override")
+
+
 _CHECKPOINTED = "_mlxft_checkpointed"
 
 

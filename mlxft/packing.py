@@ -20,7 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxft.errors import UserError
-from mlxft.models import override_call
+from mlxft.models import call_beneath, override_call
 
 SUPPORTED_FAMILIES = ("llama", "lfm2")
 
@@ -65,9 +65,12 @@ class DocumentRoPE(nn.Module):
         return rotated.reshape(batch, length, heads, dims).transpose(0, 2, 1, 3)
 
 
+_DOCUMENTS = "_mlxft_documents"
+
+
 def _document_short_conv(self, x, mask=None, cache=None):
     if not isinstance(cache, DocumentLayout):
-        return type(self).__mro__[1].__call__(self, x, mask=mask, cache=cache)
+        return call_beneath(self, _DOCUMENTS)(self, x, mask=mask, cache=cache)
     b, c, h = mx.split(self.in_proj(x), 3, axis=-1)
     bx = b * h
     weight = self.conv.weight  # [channels, kernel, 1]: tap j reads (kernel - 1 - j) steps back
@@ -112,7 +115,7 @@ def enable(model: nn.Module) -> None:
             attention.rope = DocumentRoPE(attention.rope)
         conv = getattr(layer, "conv", None)
         if conv is not None:
-            override_call(conv, _document_short_conv, "_mlxft_documents")
+            override_call(conv, _document_short_conv, _DOCUMENTS)
 
 
 def hidden_states(model: nn.Module, inputs: mx.array, positions: mx.array, segments: mx.array) -> mx.array:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from mlxft import lora, models, packing
+from mlxft import fastmath, lora, models, packing
 from mlxft.config import AdapterConfig
 from mlxft.data import Example, make_batch
 from mlxft.loss import loss_fn
@@ -27,13 +27,15 @@ def rows(lengths, seed=0):
     return out
 
 
-def adapted_model(model_dir, grad_checkpoint=False):
+def adapted_model(model_dir, grad_checkpoint=False, fused=False):
     model, *_ = models.load(str(model_dir), "float32")
     lora.apply(model, AdapterConfig(targets=["all"], rank=4, alpha=8.0), seed=0)
     # Non-zero B matrices, so the adapters take part in the function being compared.
     mx.random.seed(1)
     model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters()))
     packing.enable(model)
+    if fused:  # as the trainer does: fastmath's MLPs and convolution over packing's layers
+        fastmath.enable(model)
     if grad_checkpoint:
         models.checkpoint_layers(model)
     return model
@@ -68,8 +70,9 @@ def test_packed_batch_layout():
 
 
 @pytest.mark.parametrize("grad_checkpoint", [False, True])
-def test_packed_loss_and_gradients_equal_unpacked(model_dir, grad_checkpoint):
-    model = adapted_model(model_dir, grad_checkpoint)
+@pytest.mark.parametrize("fused", [False, True])
+def test_packed_loss_and_gradients_equal_unpacked(model_dir, grad_checkpoint, fused):
+    model = adapted_model(model_dir, grad_checkpoint, fused)
     examples = rows(LENGTHS)
     packed = make_batch(examples, len(examples), 8, pack=True)
     assert packed.doc_positions is not None
