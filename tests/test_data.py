@@ -243,6 +243,58 @@ def test_long_text_rows_are_split_so_every_token_is_a_target_once(tmp_path, toke
         capsys.readouterr().err)
 
 
+def _long_text(seed: int = 0, size: int = 6_000) -> str:
+    rng = np.random.default_rng(seed)
+    words = ["the", "cat", "sat", "über", "naïve", "42", "3.14", "don't", "東京", "  ", "\t", "—", "...", "<b>"]
+    ends = [" ", " ", " ", ", ", ".\n", "\n\n", "  ", "\t"]
+    text = ""
+    while len(text) < size:
+        text += str(rng.choice(words)) + str(rng.choice(ends))
+    return text
+
+
+def _counting_encodes(tokenizer, monkeypatch):
+    """The lengths of the texts the tokenizer is asked to encode, with special tokens or not."""
+    seen, encode = [], tokenizer._tokenizer.encode
+    monkeypatch.setattr(tokenizer._tokenizer, "encode",
+                        lambda text, *a, **kw: seen.append(len(text)) or encode(text, *a, **kw))
+    return seen
+
+
+def test_a_long_text_is_encoded_in_pieces_to_the_tokens_of_the_whole(tmp_path, tokenizer, monkeypatch):
+    """A 60 MB row had the tokenizer hold about 13 GB: long texts are cut where the tokens do not change."""
+    from mlxft import data
+
+    rows = [{"text": _long_text(seed)} for seed in range(3)]
+    whole = [e.ids.tolist() for e in load_dataset(write_jsonl(tmp_path / "w.jsonl", rows), tokenizer, 10**5).examples]
+    monkeypatch.setattr(data, "LONG_TEXT", 700)
+    monkeypatch.setattr(data, "SEAM_CONTEXT", 60)
+    seen = _counting_encodes(tokenizer, monkeypatch)
+    pieces = [e.ids.tolist() for e in load_dataset(write_jsonl(tmp_path / "p.jsonl", rows), tokenizer, 10**5).examples]
+    assert pieces == whole
+    assert max(seen) <= 700 and seen.count(max(seen)) < len(seen)  # no piece longer than LONG_TEXT
+
+
+def test_a_tokenizer_that_marks_each_text_s_start_encodes_a_long_text_whole(tmp_path, tokenizer, monkeypatch):
+    """As SentencePiece's prefix space does: no cut keeps the tokens, so none is made. The check
+    can fail: a cut without it would change them."""
+    from mlxft import data
+
+    marker = tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    encode = tokenizer._tokenizer.encode
+    monkeypatch.setattr(tokenizer._tokenizer, "encode",
+                        lambda text, *a, **kw: (marker if text else []) + encode(text, *a, **kw))
+    text = _long_text(size=3_000)
+    whole = load_dataset(write_jsonl(tmp_path / "w.jsonl", [{"text": text}]), tokenizer, 10**5).examples[0].ids.tolist()
+    monkeypatch.setattr(data, "LONG_TEXT", 700)
+    monkeypatch.setattr(data, "SEAM_CONTEXT", 60)
+    assert load_dataset(write_jsonl(tmp_path / "p.jsonl", [{"text": text}]), tokenizer, 10**5).examples[0].ids.tolist() \
+        == whole
+    monkeypatch.setattr(data, "_seam", lambda tokenizer, text, start: data._WORD_END.search(text, start + 600).end())
+    assert load_dataset(write_jsonl(tmp_path / "c.jsonl", [{"text": text}]), tokenizer, 10**5).examples[0].ids.tolist() \
+        != whole
+
+
 def test_text_ending_in_eos_gets_no_second_eos(tmp_path, tokenizer):
     ds = load_dataset(write_jsonl(tmp_path / "t.jsonl", [{"text": "done.<|im_end|>"}]), tokenizer, 64)
     assert tokenizer.decode(ds.examples[0].ids.tolist()) == "done.<|im_end|>"
