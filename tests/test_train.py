@@ -80,7 +80,9 @@ def test_a_report_right_after_another_times_its_own_step(llama_dir, chat_data, t
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     first, last = [r for r in records if r["type"] == "train"]
     assert (first["step"], last["step"]) == (5, 6)
-    assert last["seconds"] > 0.2 * first["seconds"] / 5, (first["seconds"], last["seconds"])
+    # Steps 1-5 include building kernels for new shapes: on a loaded machine step 6 alone ran 6x
+    # faster than their mean (CI: 0.022 s against 0.65 / 5). The broken window was 10^4x.
+    assert last["seconds"] > 0.02 * first["seconds"] / 5, (first["seconds"], last["seconds"])
 
 
 def test_mlx_lm_loads_the_adapters_with_the_same_logits(model_dir, chat_data, tmp_path):
