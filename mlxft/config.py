@@ -74,7 +74,9 @@ class ModelConfig:
     recompute_mlp: bool = _opt(
         False, "Compute each MLP's gate and up projections again in the backward pass rather than keep them, "
                "where gate, up and down are LoRA layers: about half of what a layer keeps, for two of its "
-               "matmuls (no other recomputation). Llama and LFM2 families."
+               "matmuls. The same layers' LFM2 convolutions and, off the CPU, attention keep only their input "
+               "projections' outputs and compute the rest again (no matmul but the attention's). Llama and LFM2 "
+               "families."
     )
     recompute_mlp_layers: int = _opt(
         0, "With --recompute-mlp, only the first N layers' MLPs, and the rest keep gate and up at their "

@@ -20,6 +20,13 @@ is a LoRA layer, :func:`swiglu_lora` makes the SwiGLU and that projection one fu
 SwiGLU's output is not kept for the adapter's gradient either (H200, plain chat: LFM2-1.2B
 11.36 -> 10.49 GB at the same speed). With ``--recompute-mlp``, :func:`recomputed_mlp` makes the
 whole LoRA MLP one function that keeps only its input and computes gate and up again.
+With ``--recompute-mlp`` two more functions of that kind take the layer's mixer:
+:func:`short_conv_lora` (LFM2's convolution keeps only its input projection's output) and, off
+the CPU, :func:`attention_lora` (Llama and LFM2 attention keeps only q, k and v). What a layer
+keeps, in arrays of ``[tokens, hidden]`` (``scripts/layer_kept.py`` on an H100; the CPU, with
+the attention's function on, gave the same): Llama-3.2-1B's attention layer 6.6 -> 5.5,
+LFM2-1.2B's 7.8 -> 5.5 and its convolution layer 9.0 -> 7.0 (without ``--recompute-mlp``: 14.6,
+15.8 and 17.0).
 """
 
 from __future__ import annotations
@@ -366,9 +373,106 @@ _SHORT_CONV = "_mlxft_short_conv"
 
 
 def _short_conv_call(self, x, mask=None, cache=None):
-    if mask is None and cache is None and plain_lora(self.out_proj):
+    if type(self).mlxft_recomputed and mask is None and cache is None and plain_lora(self.out_proj):
         return short_conv_lora(self, x)
     return models.call_beneath(self, _SHORT_CONV)(self, x, mask=mask, cache=cache)
+
+
+class _Returns(nn.Module):
+    """A stand-in projection that returns a given array, or (``None``) its own input."""
+
+    def __init__(self, array: mx.array | None, taken: list):
+        super().__init__()
+        self._array, self._taken = array, taken
+
+    def __call__(self, x):
+        if self._array is None:
+            self._taken.append(x)
+            return x
+        return self._array
+
+
+def _attention_names(attention: nn.Module) -> tuple[str, str, str, str]:
+    return "q_proj", "k_proj", "v_proj", "o_proj" if "o_proj" in attention else "out_proj"
+
+
+def attention_lora(attention: nn.Module, x: mx.array, mask) -> mx.array:
+    """An mlx-lm attention module over ``x`` in training (no cache) whose output projection is
+    a plain LoRA layer, with a backward pass that keeps only the q, k and v projections' outputs.
+
+    Autograd keeps what follows them as well: the queries and keys again after their norms (LFM2)
+    and rotary embedding, the attention's output and its log-partition for the fused kernel's
+    backward pass, and that output again as the output projection's input (the adapter's
+    ``lora_a`` gradient): 2.5-4 more ``[tokens, hidden]`` arrays an attention layer. Here the
+    backward pass computes them again from q, k and v: the norms, the rotary embedding and one
+    more forward pass of the attention kernel, small next to the projections. The attention
+    itself is mlx-lm's own code, run with stand-ins for the four projections."""
+    names = _attention_names(attention)
+    out_proj = attention[names[3]]
+    plain_call = models.call_beneath(attention, _ATTENTION)
+
+    def attend(q, k, v):
+        """The attention's output before its output projection, given the projections' outputs."""
+        taken, saved = [], {name: attention[name] for name in names}
+        for name, array in zip(names, (q, k, v, None)):
+            attention[name] = _Returns(array, taken)
+        try:
+            plain_call(attention, x, mask=mask, cache=None)
+        finally:
+            for name, module in saved.items():
+                attention[name] = module
+        return taken[0]
+
+    @mx.custom_function
+    def fused(q, k, v, lora_a, lora_b):
+        return _lora(out_proj, attend(q, k, v), lora_a, lora_b)
+
+    @fused.vjp
+    def fused_vjp(primals, cotangent, output):
+        q, k, v, lora_a, lora_b = primals
+        # Tied to the cotangent, so the compiled step cannot merge them with the forward's.
+        q, k, v = (mx.depends(array, cotangent) for array in (q, k, v))
+        grad_attended, grad_a, grad_b = lora_gradients(out_proj.linear, out_proj.scale, attend(q, k, v), cotangent,
+                                                       lora_a, lora_b)
+        return (*mx.vjp(attend, [q, k, v], [grad_attended])[1], grad_a, grad_b)
+
+    q, k, v = (attention[name](x) for name in names[:3])
+    return fused(q, k, v, out_proj.lora_a, out_proj.lora_b)
+
+
+_ATTENTION = "_mlxft_attention"
+
+
+def _attention_call(self, x, mask=None, cache=None):
+    if type(self).mlxft_recomputed and cache is None and plain_lora(self[_attention_names(self)[3]]):
+        return attention_lora(self, x, mask)
+    return models.call_beneath(self, _ATTENTION)(self, x, mask=mask, cache=cache)
+
+
+def _recomputes_attention() -> bool:
+    """Whether ``--recompute-mlp`` layers take :func:`attention_lora` on this device: not on the
+    CPU, where the attention's second forward pass is the costly part of it (written out with
+    :func:`exp`): SmolLM2-135M chat with ``--recompute-mlp`` ran at 63.4 and 63.8 tokens/s
+    against 74.3 for a peak of 0.99 against 1.07 GB. A GPU runs it as one fused kernel."""
+    return mx.default_device() != mx.cpu
+
+
+def _recompute_mixer(layer: nn.Module, recomputed: bool, attention: bool | None = None) -> None:
+    """Have ``layer``'s LFM2 convolution take :func:`short_conv_lora`, and its attention (where
+    it has q, k, v and an output projection) :func:`attention_lora` where ``attention`` (by
+    default: ``recomputed``, off the CPU), or not. They go with ``--recompute-mlp``, a run that
+    already gives speed for memory; in a plain run they cost more than they saved: the
+    convolution's took LFM2-1.2B's longest chat step from 9.16 to 8.84 GB but each step's host
+    time up 2-20 ms (an H100: a 32-token step 40.6 and 49.6 ms against 33.6 and 29.5)."""
+    if attention is None:
+        attention = recomputed and _recomputes_attention()
+    for name, call, marker, fused in (("self_attn", _attention_call, _ATTENTION, attention),
+                                      ("conv", _short_conv_call, _SHORT_CONV, recomputed)):
+        mixer = layer.get(name)
+        if mixer is None or (name == "self_attn" and not all(part in mixer for part in _attention_names(mixer))):
+            continue
+        models.override_call(mixer, call, marker)
+        type(mixer).mlxft_recomputed = fused  # the instance's own class
 
 
 def _swiglu_mlp(gate: str, up: str, down: str, recompute: bool = False):
@@ -420,10 +524,12 @@ def mlp_recomputed(layer: nn.Module, family: str):
         yield False
         return
     type(mlp).__call__ = _MLP_CALLS[family, True]  # the instance's own class (models.override_call)
+    _recompute_mixer(layer, True)
     try:
         yield True
     finally:
         type(mlp).__call__ = _MLP_CALLS[family, False]
+        _recompute_mixer(layer, False)
 
 
 def recompute_mlps(model: nn.Module, first: int = 0) -> bool:
@@ -435,6 +541,7 @@ def recompute_mlps(model: nn.Module, first: int = 0) -> bool:
         mlp = _switchable_mlp(layer, family)
         if mlp is not None:
             type(mlp).__call__ = _MLP_CALLS[family, True]
+            _recompute_mixer(layer, True)
             switched = True
     return switched
 
@@ -485,7 +592,8 @@ def enable(model: nn.Module, recompute_mlp: bool = False, first: int = 0) -> boo
     """Give a supported family's MLPs :func:`swiglu` (same weights, same function) and its
     attention the written-out softmax; returns whether it applied. The MLPs change per
     instance (``recompute_mlp``: :func:`recomputed_mlp` in the first ``first`` layers, 0 =
-    every layer, where its projections are plain LoRA layers); attention is a function of the
+    every layer, where its projections are plain LoRA layers, and those layers' mixers
+    :func:`short_conv_lora` or, off the CPU, :func:`attention_lora`); the softmax is a function of the
     family's mlx-lm module, so it is replaced there for the process, by one that takes
     :func:`attention` only for float32 training shapes on the CPU and mlx-lm's own path
     otherwise. Other families keep mlx-lm's code."""
@@ -501,6 +609,5 @@ def enable(model: nn.Module, recompute_mlp: bool = False, first: int = 0) -> boo
     for layer in model.layers:
         models.override_call(layer[models.LAYER_PARTS[family].mlp], _MLP_CALLS[family, id(layer) in recomputing],
                              _MARKER)
-        if family == "lfm2" and "conv" in layer:
-            models.override_call(layer["conv"], _short_conv_call, _SHORT_CONV)
+        _recompute_mixer(layer, id(layer) in recomputing)
     return True

@@ -34,8 +34,8 @@ def adapted_model(model_dir, grad_checkpoint=False, fused=False):
     mx.random.seed(1)
     model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.trainable_parameters()))
     packing.enable(model)
-    if fused:  # as the trainer does: fastmath's MLPs and convolution over packing's layers
-        fastmath.enable(model)
+    if fused:  # as the trainer does: --recompute-mlp's MLPs and mixers over packing's layers
+        fastmath.enable(model, recompute_mlp=True)
     if grad_checkpoint:
         models.checkpoint_layers(model)
     return model

@@ -62,8 +62,11 @@ def test_a_layer_no_longer_keeps_its_gate_and_up(model_dir):
     for before, after in zip(plain.layers, recomputing.layers):
         mlp = before[models.LAYER_PARTS[models.family(plain)].mlp]
         gate_and_up = 2 * x.shape[0] * x.shape[1] * mlp[gate_name].linear.weight.shape[0] * 4
+        # An LFM2 convolution layer's mixer keeps two arrays of x's size fewer as well (the CPU
+        # keeps its attention as it is: tests/test_fused_attention.py).
+        expected = gate_and_up + (2 * x.nbytes if "conv" in before else 0)
         saved = memory._kept_for_backward(before, None, x) - memory._kept_for_backward(after, None, x)
-        assert 0.95 <= saved / gate_and_up <= 1.1, saved / gate_and_up
+        assert 0.95 <= saved / expected <= 1.1, saved / expected
 
 
 def test_what_is_not_three_plain_lora_projections_keeps_the_plain_mlp(llama_dir):

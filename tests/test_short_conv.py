@@ -1,9 +1,7 @@
-"""LFM2's short convolution with its own backward pass (mlxft.fastmath.short_conv_lora)."""
-
-import json
+"""LFM2's short convolution with its own backward pass (mlxft.fastmath.short_conv_lora), as
+--recompute-mlp computes it."""
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
 from mlx.utils import tree_map
 
@@ -28,10 +26,8 @@ def _model(model_dir, fused: bool, targets=("all",)):
     model.update(tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(1)) * 0.05,
                           model.trainable_parameters()))
     assert fastmath.enable(model)
-    if not fused:  # mlx-lm's ShortConv, with the rest of fastmath as it is
-        for layer in model.layers:
-            if "conv" in layer:
-                layer.conv.__class__ = type(layer.conv).__mro__[1]
+    for layer in model.layers:  # as --recompute-mlp has it, the MLPs left as they are
+        fastmath._recompute_mixer(layer, fused, attention=False)
     return model
 
 
