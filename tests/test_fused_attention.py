@@ -3,25 +3,17 @@
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_map
 
 from mlxft import fastmath, lora, memory, models
 from mlxft.config import AdapterConfig
 from mlxft.data import make_batch
 from tests.test_loss import _rows, assert_same_loss_and_gradients
 from tests.test_normed import _loss_and_grads
+from tests.test_short_conv import mixer_model
 
 
-def _model(model_dir, fused: bool, targets=("all",), dtype="float32"):
-    model, *_ = models.load(str(model_dir), dtype)
-    lora.apply(model, AdapterConfig(targets=list(targets), rank=4), seed=0)
-    # Non-zero B so every adapter moves the output and receives a full gradient.
-    model.update(tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(1)) * 0.05,
-                          model.trainable_parameters()))
-    assert fastmath.enable(model)
-    for layer in model.layers:  # as --recompute-mlp has it, the MLPs left as they are
-        fastmath._recompute_mixer(layer, False, attention=fused)
-    return model
+def _model(model_dir, fused: bool, targets=("all",)):
+    return mixer_model(model_dir, False, fused, targets)
 
 
 def _attentions(model):

@@ -19,16 +19,22 @@ def biased_lfm2_dir(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("lfm2-bias"), {**LFM2_CONFIG, "conv_bias": True})
 
 
-def _model(model_dir, fused: bool, targets=("all",)):
+def mixer_model(model_dir, conv: bool, attention: bool, targets=("all",)):
+    """A float32 LoRA model whose mixers compute as --recompute-mlp has them (``conv``: the
+    fused convolution, ``attention``: the fused attention), its MLPs left as they are."""
     model, *_ = models.load(str(model_dir), "float32")
     lora.apply(model, AdapterConfig(targets=list(targets), rank=4), seed=0)
     # Non-zero B so every adapter moves the output and receives a full gradient.
     model.update(tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(1)) * 0.05,
                           model.trainable_parameters()))
     assert fastmath.enable(model)
-    for layer in model.layers:  # as --recompute-mlp has it, the MLPs left as they are
-        fastmath._recompute_mixer(layer, fused, attention=False)
+    for layer in model.layers:
+        fastmath._recompute_mixer(layer, conv, attention=attention)
     return model
+
+
+def _model(model_dir, fused: bool, targets=("all",)):
+    return mixer_model(model_dir, fused, False, targets)
 
 
 def _convolutions(model):
