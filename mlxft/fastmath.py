@@ -256,18 +256,32 @@ def lora_gradients(linear: nn.Module, scale: float, x: mx.array, cotangent: mx.a
     own backward pass share. Computed in ``x``'s dtype, the adapters' gradients returned in theirs.
     ``batched``: keep the leading (row) axis and sum the adapters' gradients over it, where
     flattening a transposed cotangent (attention's q, k and v) would copy it."""
-    dtype, shape = x.dtype, x.shape
-    flat_cotangent = cotangent
-    if not batched:
-        x, flat_cotangent = x.reshape(-1, shape[-1]), cotangent.reshape(-1, cotangent.shape[-1])
+    grad_x, scaled, low_cotangent = lora_input_gradient(linear, scale, cotangent, lora_a, lora_b, x.dtype, batched)
+    return (grad_x, *lora_adapter_gradients(x, scaled, low_cotangent, lora_a, lora_b, batched))
+
+
+def lora_input_gradient(linear: nn.Module, scale: float, cotangent: mx.array, lora_a: mx.array, lora_b: mx.array,
+                        dtype: mx.Dtype, batched: bool = False) -> tuple[mx.array, mx.array, mx.array]:
+    """:func:`lora_gradients`' gradient with respect to the layer's input, which reads no
+    activation, and the scaled and rank-r cotangents that :func:`lora_adapter_gradients` reads."""
+    flat_cotangent = cotangent if batched else cotangent.reshape(-1, cotangent.shape[-1])
     scaled = (scale * flat_cotangent).astype(dtype)
     low_cotangent = scaled @ lora_b.astype(dtype).T  # [..., tokens, rank]
+    low_input = (low_cotangent @ lora_a.astype(dtype).T).reshape(*cotangent.shape[:-1], lora_a.shape[0])
+    return input_gradient(linear, cotangent) + low_input, scaled, low_cotangent
+
+
+def lora_adapter_gradients(x: mx.array, scaled: mx.array, low_cotangent: mx.array, lora_a: mx.array,
+                           lora_b: mx.array, batched: bool = False) -> tuple[mx.array, mx.array]:
+    """:func:`lora_gradients`' gradients of ``lora_a`` and ``lora_b`` (each in its own dtype),
+    given the layer's input and :func:`lora_input_gradient`'s cotangents."""
+    if not batched:
+        x = x.reshape(-1, x.shape[-1])
     grad_a = x.swapaxes(-1, -2) @ low_cotangent
-    grad_b = (x @ lora_a.astype(dtype)).swapaxes(-1, -2) @ scaled
+    grad_b = (x @ lora_a.astype(x.dtype)).swapaxes(-1, -2) @ scaled
     if batched:
         grad_a, grad_b = grad_a.sum(axis=0), grad_b.sum(axis=0)
-    grad_x = input_gradient(linear, cotangent) + (low_cotangent @ lora_a.astype(dtype).T).reshape(shape)
-    return grad_x, grad_a.astype(lora_a.dtype), grad_b.astype(lora_b.dtype)
+    return grad_a.astype(lora_a.dtype), grad_b.astype(lora_b.dtype)
 
 
 def _lora(module: nn.Module, x: mx.array, lora_a: mx.array, lora_b: mx.array) -> mx.array:
@@ -432,9 +446,12 @@ def attention_lora(attention: nn.Module, x: mx.array, mask) -> mx.array:
         q, k, v, lora_a, lora_b = primals
         # Tied to the cotangent, so the compiled step cannot merge them with the forward's.
         q, k, v = (mx.depends(array, cotangent) for array in (q, k, v))
-        grad_attended, grad_a, grad_b = lora_gradients(out_proj.linear, out_proj.scale, attend(q, k, v), cotangent,
-                                                       lora_a, lora_b)
-        return (*mx.vjp(attend, [q, k, v], [grad_attended])[1], grad_a, grad_b)
+        # The output projection's input gradient reads no activation, so one pass of the attention
+        # gives both its output (for the adapter's gradients) and q, k and v's gradients.
+        grad_attended, scaled, low_cotangent = lora_input_gradient(out_proj.linear, out_proj.scale, cotangent,
+                                                                   lora_a, lora_b, cotangent.dtype)
+        (attended,), grads = mx.vjp(attend, [q, k, v], [grad_attended])
+        return (*grads, *lora_adapter_gradients(attended, scaled, low_cotangent, lora_a, lora_b))
 
     q, k, v = (attention[name](x) for name in names[:3])
     return fused(q, k, v, out_proj.lora_a, out_proj.lora_b)
