@@ -6,10 +6,7 @@ import pytest
 
 from mlxft import fastmath, lora, memory, models
 from mlxft.config import AdapterConfig
-from mlxft.data import make_batch
-from tests.test_loss import _rows, assert_same_loss_and_gradients
-from tests.test_normed import _loss_and_grads
-from tests.test_short_conv import mixer_model
+from tests.test_short_conv import assert_fused_mixer_computes_as_mlx_lm, mixer_model
 
 
 def _model(model_dir, fused: bool, targets=("all",)):
@@ -28,17 +25,9 @@ def _counting(monkeypatch):
 
 @pytest.mark.parametrize("compiled,checkpointed", [(False, False), (True, False), (True, True)])
 def test_the_fused_attention_changes_neither_loss_nor_gradients(model_dir, compiled, checkpointed, monkeypatch):
-    batch = make_batch(_rows(4) + _rows(5), 6, 8).arrays()
     plain, fused = _model(model_dir, False), _model(model_dir, True)
-    if checkpointed:  # the attention runs again inside mx.checkpoint
-        models.checkpoint_layers(plain)
-        models.checkpoint_layers(fused)
-    taken = _counting(monkeypatch)
-    expected = _loss_and_grads(plain, batch, compiled)
-    assert not taken
-    actual = _loss_and_grads(fused, batch, compiled)
-    assert len(taken) == len(_attentions(fused)) * (2 if checkpointed else 1) > 0
-    assert_same_loss_and_gradients(actual, expected, spread=1e-5)
+    assert_fused_mixer_computes_as_mlx_lm(plain, fused, compiled, checkpointed, _counting(monkeypatch),
+                                          len(_attentions(fused)))
 
 
 def test_an_attention_layer_keeps_its_projections_outputs_only(model_dir):

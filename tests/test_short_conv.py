@@ -37,6 +37,22 @@ def _model(model_dir, fused: bool, targets=("all",)):
     return mixer_model(model_dir, fused, False, targets)
 
 
+def assert_fused_mixer_computes_as_mlx_lm(plain, fused, compiled: bool, checkpointed: bool, taken: list,
+                                          mixers: int) -> None:
+    """Loss and gradients of ``fused`` equal ``plain``'s on a batch of rows of several lengths;
+    ``taken`` (the fused function's calls) fills only while ``fused`` runs, once per mixer, twice
+    inside mx.checkpoint."""
+    batch = make_batch(_rows(4) + _rows(5), 6, 8).arrays()
+    if checkpointed:  # the mixer runs again inside mx.checkpoint
+        models.checkpoint_layers(plain)
+        models.checkpoint_layers(fused)
+    expected = _loss_and_grads(plain, batch, compiled)
+    assert not taken
+    actual = _loss_and_grads(fused, batch, compiled)
+    assert len(taken) == mixers * (2 if checkpointed else 1) > 0
+    assert_same_loss_and_gradients(actual, expected, spread=1e-5)
+
+
 def _convolutions(model):
     return [layer.conv for layer in model.layers if "conv" in layer]
 
@@ -46,19 +62,11 @@ def _convolutions(model):
 def test_the_fused_convolution_changes_neither_loss_nor_gradients(lfm2_dir, biased_lfm2_dir, compiled,
                                                                    checkpointed, biased, monkeypatch):
     directory = biased_lfm2_dir if biased else lfm2_dir
-    batch = make_batch(_rows(4) + _rows(5), 6, 8).arrays()
     plain, fused = _model(directory, False), _model(directory, True)
-    if checkpointed:  # the convolution runs again inside mx.checkpoint
-        models.checkpoint_layers(plain)
-        models.checkpoint_layers(fused)
     taken = []
     short_conv_lora = fastmath.short_conv_lora
     monkeypatch.setattr(fastmath, "short_conv_lora", lambda conv, x: taken.append(conv) or short_conv_lora(conv, x))
-    expected = _loss_and_grads(plain, batch, compiled)
-    assert not taken
-    actual = _loss_and_grads(fused, batch, compiled)
-    assert len(taken) == len(_convolutions(fused)) * (2 if checkpointed else 1) > 0
-    assert_same_loss_and_gradients(actual, expected, spread=1e-5)
+    assert_fused_mixer_computes_as_mlx_lm(plain, fused, compiled, checkpointed, taken, len(_convolutions(fused)))
 
 
 def test_a_convolution_layer_keeps_two_arrays_fewer(lfm2_dir):
